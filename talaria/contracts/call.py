@@ -1,0 +1,122 @@
+"""Gateway <-> instance contract: what a call carries to an instance and what comes back.
+
+Owned by the Foundation issue; the router and the simulator reuse these records unchanged and
+extend them only by adding fields with defaults. Serialised form and transport: docs/contracts.md.
+
+Transport: each instance's rank-0 worker holds one end of a `multiprocessing` duplex pipe to the
+supervisor; messages are these dataclasses, pickled. One reader thread per instance in the
+supervisor turns them into asyncio events. Everything is token ids: tokenizing, chat templates,
+detokenizing and stop strings live in the gateway, so the engine never sees text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # same seed + same prompt -> same tokens
+    ignore_eos: bool = False  # replay needs fixed completion lengths
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHandle:
+    """Where the router believes a session's KV lives (filled by the session-aware router)."""
+
+    instance: str
+    model: str
+    kv_tokens: int  # committed KV length at the end of the previous call
+    prefix_hash: int  # cumulative page hash at the last full page of that prefix
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceCall:
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    session_id: str | None = None
+    prefix_handle: PrefixHandle | None = None
+    enqueue_time: float = 0.0  # intended enqueue (wall clock, seconds); TTFT is measured from it
+
+
+@dataclass(frozen=True, slots=True)
+class CancelCall:
+    """The client went away or a stop string matched: stop decoding and release the KV."""
+
+    request_id: str
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache, not recomputed
+
+
+@dataclass(frozen=True, slots=True)
+class CallTimings:
+    """Seconds, measured by the instance; diagnostic sub-views, they may overlap."""
+
+    queued_s: float = 0.0  # arrival at the instance -> first scheduled
+    prefill_s: float = 0.0  # time in steps that prefilled this call's prompt
+    decode_s: float = 0.0  # first token -> last token
+    first_token_at: float = 0.0  # wall clock of the first token (for TTFT)
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutput:
+    """Tokens as they are produced; the last record of a call has `finish` set."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens since the previous record
+    finish: FinishReason | None = None
+    usage: Usage | None = None  # on the final record
+    committed_kv_tokens: int = 0  # KV the instance holds for this sequence after the call
+    timings: CallTimings | None = None  # on the final record
+    error: str | None = None  # with finish == ERROR
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStats:
+    """Periodic load report from rank 0 (Prometheus gauges; telemetry grows from here)."""
+
+    instance: str
+    waiting: int
+    running: int
+    kv_pages_used: int
+    kv_pages_total: int
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    models: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReady:
+    instance: str
+    models: tuple[str, ...]
+    kv_pages_total: int
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
