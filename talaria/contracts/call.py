@@ -48,7 +48,7 @@ class InstanceCall:
     sampling: SamplingParams
     session_id: str | None = None
     prefix_handle: PrefixHandle | None = None
-    enqueue_time: float = 0.0  # intended enqueue (wall clock, seconds); TTFT is measured from it
+    enqueue_time: float = 0.0  # intended enqueue, node monotonic clock (s); TTFT is measured from it
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ class CallTimings:
     queued_s: float = 0.0  # arrival at the instance -> first scheduled
     prefill_s: float = 0.0  # time in steps that prefilled this call's prompt
     decode_s: float = 0.0  # first token -> last token
-    first_token_at: float = 0.0  # wall clock of the first token (for TTFT)
+    first_token_at: float = 0.0  # node monotonic clock (time.monotonic) at the first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,7 @@ class InstanceReady:
     models: tuple[str, ...]
     kv_pages_total: int
     load_s: float
+    error: str | None = None  # the engine could not start (bad weights, arena too small, ...)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,173 @@
+"""Continuous batching for one model: decode first, then chunked prefill, preemption on KV pressure.
+
+Each step the batcher spends a token budget: one token for every decoding sequence (they are
+protected: prefill never delays them), then chunks of prompts still prefilling, then newly admitted
+prompts — so a long prompt advances chunk by chunk between decode steps instead of blocking them.
+When the KV pool cannot grow a decoding sequence, the newest running sequence is preempted: its
+pages are released (their published prefix stays cached) and it is recomputed later from its
+prompt plus the tokens it had generated, which greedy decoding reproduces exactly.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from talaria.contracts.call import FinishReason
+from talaria.node.memory.page_manager import PageManager
+from talaria.node.sequence import Sequence, SeqStatus
+from talaria.node.step_plan import SeqChunk, StepPlan
+
+
+class Batcher:
+    def __init__(self, model: str, pages: PageManager, max_batch_tokens: int, max_running: int,
+                 max_context: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.pages = pages
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.max_context = max_context
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the newest is preempted first
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
+        self._hashes: dict[int, list[int]] = {}  # seq_id -> cumulative hashes of its full pages
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if self.pages.pages_for(len(seq.token_ids) + 1) > self.pages.num_pages:
+            seq.finish = FinishReason.ERROR  # can never fit: fail now rather than wait forever
+            seq.status = SeqStatus.FINISHED
+            return
+        self.waiting.append(seq)
+
+    # ---- planning --------------------------------------------------------------------------
+
+    def plan(self, now: float) -> StepPlan | None:
+        budget = self.max_batch_tokens
+        chunks: list[SeqChunk] = []
+        planned: set[int] = set()
+        for seq in list(self.running):  # decodes first
+            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling or budget == 0:
+                continue
+            if not self._reserve_slot(seq, planned):
+                continue
+            chunks.append(self._chunk(seq, 1))
+            planned.add(seq.seq_id)
+            budget -= 1
+        for seq in self.running:  # then prompts already prefilling
+            if budget == 0:
+                break
+            if seq.is_prefilling and seq.seq_id not in planned:
+                n = min(seq.num_uncomputed, budget)
+                chunks.append(self._chunk(seq, n))
+                planned.add(seq.seq_id)
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not self._admit(seq, now):
+                break  # FIFO: a prompt that does not fit yet holds the queue
+            self.waiting.popleft()
+            n = min(seq.num_uncomputed, budget)
+            chunks.append(self._chunk(seq, n))
+            planned.add(seq.seq_id)
+            budget -= n
+        return StepPlan(self.model, tuple(chunks)) if chunks else None
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        start = seq.num_computed
+        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:start + n]), start,
+                        tuple(seq.page_table), start + n == len(seq.token_ids))
+
+    def _reserve_slot(self, seq: Sequence, planned: set[int]) -> bool:
+        """Make room for one more token of a decoding sequence, preempting if needed."""
+        if len(seq.token_ids) <= len(seq.page_table) * self.pages.page_size:
+            return True
+        while self.pages.num_free == 0:
+            victims = [s for s in self.running if s.seq_id not in planned and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.page_table += self.pages.allocate(1)
+        return True
+
+    def _admit(self, seq: Sequence, now: float) -> bool:
+        hashes = self._hash_chain(seq)
+        # keep at least one token to compute: the step must produce logits for the next token
+        usable = (len(seq.token_ids) - 1) // self.pages.page_size
+        cached = self.pages.match_prefix(hashes[:usable])
+        newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
+        need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
+        if need + newly_referenced > self.pages.num_free:
+            return False
+        self.pages.acquire(cached)
+        seq.page_table = cached + self.pages.allocate(need)
+        seq.num_computed = len(cached) * self.pages.page_size
+        if not seq.admitted_once:
+            seq.num_cached = seq.num_computed
+            self.prefix_hit_tokens += seq.num_computed
+            seq.admitted_once = True
+        if seq.first_scheduled is None:
+            seq.first_scheduled = now
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pages.release(seq.page_table)
+        seq.page_table = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _hash_chain(self, seq: Sequence) -> list[int]:
+        return self.pages.extend_chain(self._hashes.setdefault(seq.seq_id, []), seq.token_ids)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def commit(self, plan: StepPlan, sampled: dict[int, int], seqs: dict[int, Sequence]) -> list[Sequence]:
+        """Advance sequences by a finished step; returns the ones with news for the gateway."""
+        touched = []
+        ps = self.pages.page_size
+        for chunk in plan.chunks:
+            seq = seqs.get(chunk.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # cancelled while the step ran
+            seq.num_computed += len(chunk.token_ids)
+            if seq.num_computed // ps > 0:
+                chain = self._hash_chain(seq)
+                for i in range(chunk.start_pos // ps, min(seq.num_computed // ps, len(chain))):
+                    self.pages.publish(seq.page_table[i], chain[i])
+            if chunk.sample:
+                token = sampled[seq.seq_id]
+                seq.token_ids.append(token)
+                seq.finish = self._finish_reason(seq, token)
+                touched.append(seq)
+                if seq.finish is not None:
+                    self.remove(seq)
+        return touched
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sp = seq.sampling
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_generated >= sp.max_tokens or len(seq.token_ids) >= self.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and release its pages (they stay cached)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.pages.release(seq.page_table)
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.page_table = []
+        seq.status = SeqStatus.FINISHED
+        self._hashes.pop(seq.seq_id, None)

@@ -1,0 +1,106 @@
+"""The entry point of one engine-group worker process (spawned by talaria.node.group).
+
+Every rank joins the group's torch.distributed process group (gloo on CPU, NCCL on CUDA) and
+builds an EngineCore. Rank 0 talks to the supervisor over a pipe: it drains calls and cancels
+between steps, steps while there is work, and sends outputs and periodic stats back. Other ranks
+follow rank 0's plans until it broadcasts a stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from talaria.config.schema import Device, InstanceConfig
+from talaria.contracts.call import CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady, Shutdown
+from talaria.models.source import ModelFiles
+
+STATS_EVERY_S = 0.25
+IDLE_POLL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    instance: InstanceConfig
+    models: tuple[ModelFiles, ...]
+    rank: int
+    master_port: int
+    threads: int
+
+
+def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from talaria.node.engine.core import EngineCore
+    from talaria.node.engine.parallel import TPGroup
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    torch.set_num_threads(spec.threads)
+    tp = spec.instance.tp
+    if tp > 1:
+        backend = "nccl" if spec.instance.device is Device.CUDA else "gloo"
+        if spec.instance.device is Device.CUDA:
+            torch.cuda.set_device(spec.rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec.master_port}",
+                                rank=spec.rank, world_size=tp, timeout=timedelta(days=7))
+    t0 = time.monotonic()
+    try:
+        core = EngineCore(spec.instance, list(spec.models), TPGroup(spec.rank, tp))
+    except Exception as e:
+        if conn is not None:
+            conn.send([InstanceReady(spec.instance.name, (), 0, 0.0, error=f"{type(e).__name__}: {e}")])
+        raise
+    if spec.rank != 0:
+        while core.follow():
+            pass
+        return
+    conn.send([InstanceReady(spec.instance.name, tuple(core.runners), sum(core.pages.values()),
+                             time.monotonic() - t0)])
+    _serve(core, conn)
+
+
+def _serve(core, conn: Connection) -> None:
+    """Rank 0's loop: messages in, steps, outputs out."""
+    last_stats = 0.0
+    in_flight: set[str] = set()
+    try:
+        while True:
+            out: list = []
+            timeout = 0 if core.has_work else IDLE_POLL_S
+            while conn.poll(timeout):
+                msg = conn.recv()
+                timeout = 0
+                if isinstance(msg, InstanceCall):
+                    in_flight.add(msg.request_id)
+                    out += core.add(msg)
+                elif isinstance(msg, CancelCall):
+                    out += core.cancel(msg.request_id)
+                elif isinstance(msg, Shutdown):
+                    core.stop()
+                    return
+            if core.has_work:
+                out += core.step()
+            now = time.monotonic()
+            if now - last_stats >= STATS_EVERY_S:
+                out.append(core.stats())
+                last_stats = now
+            if out:
+                for o in out:
+                    if isinstance(o, CallOutput) and o.finish is not None:
+                        in_flight.discard(o.request_id)
+                conn.send(out)
+    except (EOFError, BrokenPipeError):
+        os._exit(0)  # the supervisor is gone: nobody to serve
+    except Exception as e:
+        message = f"engine error: {type(e).__name__}: {e}"
+        traceback.print_exc()
+        try:
+            conn.send([CallOutput(r, (), FinishReason.ERROR, error=message) for r in in_flight])
+        finally:
+            os._exit(1)  # the group's state is unknown: let the supervisor restart it
