@@ -21,3 +21,7 @@ def cli() -> None:
 
 cli.add_command(up)
 cli.add_command(config)
+
+
+if __name__ == "__main__":
+    cli()

@@ -89,6 +89,7 @@ class InstanceConfig:
     page_size: int = 16  # tokens per KV page
     max_batch_tokens: int = 512  # tokens per engine step; longer prompts prefill in chunks
     max_running: int = 64  # sequences decoding at once
+    threads: int = 0  # torch threads per worker process; 0 = the machine's cores shared by all workers
 
 
 @dataclass(frozen=True, slots=True)

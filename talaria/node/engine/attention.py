@@ -28,7 +28,7 @@ class PrefillSeq:
 class AttentionMeta:
     write_slots: torch.Tensor  # (T,) where each new token's K/V goes
     decode_rows: torch.Tensor | None  # (B,) rows of decoding sequences
-    decode_slots: torch.Tensor | None  # (B, max_ctx) context slots, padded
+    decode_slots: torch.Tensor | None  # (B * max_ctx,) context slots, padded, flattened
     decode_mask: torch.Tensor | None  # (B, 1, 1, max_ctx) bool, None when no padding
     prefills: list[PrefillSeq]
 
@@ -64,28 +64,39 @@ class AttentionMeta:
         return cls(
             write_slots=torch.cat(write).to(device),
             decode_rows=torch.tensor(dec_rows, dtype=torch.long, device=device) if dec_rows else None,
-            decode_slots=dec_slots.to(device) if dec_slots is not None else None,
+            decode_slots=dec_slots.flatten().to(device) if dec_slots is not None else None,
             decode_mask=dec_mask.to(device) if dec_mask is not None else None,
             prefills=prefills,
         )
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
+    """(slots, nkv, hd) cache -> (batch, nkv, ctx, hd) contiguous, for SDPA's fast path."""
+    kv = cache.index_select(0, slots)  # index_select: far cheaper than advanced indexing on CPU
+    return kv.view(batch, -1, *kv.shape[1:]).transpose(1, 2).contiguous()
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMeta, scale: float) -> torch.Tensor:
     """q: (T, nh, hd); caches: (slots, nkv, hd) with this step's K/V already written. -> (T, nh, hd)"""
+    if meta.decode_rows is not None and not meta.prefills:  # pure decode: rows are the batch
+        b = q.shape[0]
+        k, v = _gather(k_cache, meta.decode_slots, b), _gather(v_cache, meta.decode_slots, b)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o.squeeze(2)
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k_cache.shape[1]
     if meta.decode_rows is not None:
-        qd = q[meta.decode_rows].unsqueeze(2)  # (B, nh, 1, hd)
-        k = k_cache[meta.decode_slots].transpose(1, 2)  # (B, nkv, ctx, hd)
-        v = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-        out[meta.decode_rows] = o.squeeze(2)
+        b = meta.decode_rows.shape[0]
+        k, v = _gather(k_cache, meta.decode_slots, b), _gather(v_cache, meta.decode_slots, b)
+        qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # (B, nh, 1, hd)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        out.index_copy_(0, meta.decode_rows, o.squeeze(2))
     for p in meta.prefills:
         qp = q[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, nh, q_len, hd)
-        k = k_cache[p.slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, hd)
-        v = v_cache[p.slots].transpose(0, 1).unsqueeze(0)
+        k, v = _gather(k_cache, p.slots, 1), _gather(v_cache, p.slots, 1)  # (1, nkv, ctx, hd)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale, enable_gqa=gqa)
+                                           scale=scale, enable_gqa=qp.shape[1] != k.shape[1])
         out[p.row:p.row + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out

@@ -73,8 +73,8 @@ class LlamaModel:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             k_cache, v_cache = kv.layer(i)  # (slots, nkv, hd) each
-            k_cache[meta.write_slots] = k
-            v_cache[meta.write_slots] = v
+            k_cache.index_copy_(0, meta.write_slots, k)
+            v_cache.index_copy_(0, meta.write_slots, v)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
             x = x + self.group.all_reduce(F.linear(o.reshape(T, nh * hd), lw.o_proj))
             h = rms_norm(x, lw.post_norm, arch.rms_norm_eps)

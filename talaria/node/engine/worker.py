@@ -41,6 +41,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
     from talaria.node.engine.parallel import TPGroup
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    _die_with_parent()
     torch.set_num_threads(spec.threads)
     tp = spec.instance.tp
     if tp > 1:
@@ -63,6 +64,16 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
     conn.send([InstanceReady(spec.instance.name, tuple(core.runners), sum(core.pages.values()),
                              time.monotonic() - t0)])
     _serve(core, conn)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the supervisor dies, even by SIGKILL, so no worker is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _serve(core, conn: Connection) -> None:

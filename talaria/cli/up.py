@@ -1,0 +1,70 @@
+"""`talaria up`: the supervisor process — engine groups plus the OpenAI-compatible gateway."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from talaria.cli.progress import ProgressPrinter
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Config file (default: the embedded talaria.toml, which runs on a 2-core CPU machine).")
+@click.option("--host", help="Override [server] host.")
+@click.option("--port", type=int, help="Override [server] port.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="Log verbosity of the supervisor and the HTTP server.")
+def up(config_path: Path | None, host: str | None, port: int | None, log_level: str) -> None:
+    """Start the engine groups of every instance and serve the OpenAI API.
+
+    Models are converted once (GGUF -> safetensors, synthetic -> generated) into the cache
+    (TALARIA_CACHE_DIR, default ~/.cache/talaria); later starts reuse it. Stop with Ctrl-C or
+    SIGTERM: every worker process exits with the supervisor.
+    """
+    import uvicorn
+
+    from talaria.config.errors import ConfigError
+    from talaria.config.loader import check_files, default_config_path, load_config
+    from talaria.node.errors import InstanceFailed
+    from talaria.node.supervisor import Supervisor
+    from talaria.router.gateway import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = config_path or default_config_path()
+    try:
+        cfg = load_config(path)
+        for line in check_files(cfg):
+            click.echo(line, err=True)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    server = replace(cfg.server, host=host or cfg.server.host, port=port or cfg.server.port)
+    cfg = replace(cfg, server=server)
+
+    supervisor = Supervisor(cfg)
+    supervisor.prepare(ProgressPrinter())
+    app = create_app(supervisor)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        click.echo(f"talaria: starting {len(cfg.instances)} instance(s) from {path}", err=True)
+        try:
+            await supervisor.start()
+        except InstanceFailed as e:
+            click.echo(f"talaria: {e}", err=True)
+            raise
+        click.echo(f"talaria: serving {', '.join(supervisor.model_names())} on "
+                   f"http://{server.host}:{server.port}/v1", err=True)
+        yield
+        click.echo("talaria: stopping engine groups", err=True)
+        await supervisor.stop()
+
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, timeout_graceful_shutdown=5)
+    if not supervisor.groups or not all(g.ready and g.ready.error is None for g in supervisor.groups):
+        sys.exit(1)

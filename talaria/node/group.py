@@ -1,0 +1,192 @@
+"""The supervisor's handle on one instance: its engine group of `tp` worker processes.
+
+It spawns the workers, forwards calls over rank 0's pipe and turns the replies into per-call
+asyncio queues. A monitor thread waits on every worker's process sentinel: when any worker dies,
+every call in flight fails at once with InstanceFailed (no hang), the survivors are killed, and the
+group restarts; later calls succeed once the new group reports ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from multiprocessing.connection import wait
+
+from talaria.config.schema import InstanceConfig
+from talaria.contracts.call import (CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady,
+                                    InstanceStats, Shutdown)
+from talaria.models.source import ModelFiles
+from talaria.node.engine.worker import WorkerSpec, worker_main
+from talaria.node.errors import InstanceFailed, InstanceUnavailable
+
+log = logging.getLogger("talaria.node")
+
+STOP_GRACE_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineGroup:
+    def __init__(self, config: InstanceConfig, models: list[ModelFiles], threads: int) -> None:
+        self.config = config
+        self.name = config.name
+        self.models = models
+        self.threads = threads
+        self.healthy = False
+        self.restarts = 0
+        self.stats: InstanceStats | None = None
+        self.ready: InstanceReady | None = None
+        self._calls: dict[str, asyncio.Queue] = {}
+        self._procs: list[mp.Process] = []
+        self._conn = None
+        self._generation = 0  # bumped per spawn, so stale threads of a dead group stay quiet
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready_event = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the workers and wait until rank 0 reports ready (or raise why it could not)."""
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+        await self._ready_event.wait()
+        if self.ready.error:
+            raise InstanceFailed(f"instance {self.name} could not start: {self.ready.error}")
+
+    def _spawn(self) -> None:
+        self._generation += 1
+        self._ready_event.clear()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        port = _free_port()
+        self._procs = [ctx.Process(target=worker_main, name=f"talaria-{self.name}-rank{r}", daemon=True,
+                                   args=(WorkerSpec(self.config, tuple(self.models), r, port, self.threads),
+                                         child if r == 0 else None))
+                       for r in range(self.config.tp)]
+        for p in self._procs:
+            p.start()
+        child.close()  # only rank 0 holds it now: its death closes our end
+        self._conn = parent
+        gen = self._generation
+        threading.Thread(target=self._read, args=(parent, gen), daemon=True, name=f"{self.name}-reader").start()
+        threading.Thread(target=self._watch, args=(list(self._procs), gen), daemon=True,
+                         name=f"{self.name}-monitor").start()
+
+    async def stop(self) -> None:
+        """Ask rank 0 to stop every rank, then make sure no worker outlives us."""
+        self._stopping = True
+        self.healthy = False
+        try:
+            self._conn.send(Shutdown())
+        except (OSError, AttributeError):
+            pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in self._procs:
+            await asyncio.to_thread(p.join, max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(1.0)
+
+    # ---- threads -> event loop -------------------------------------------------------------
+
+    def _read(self, conn, gen: int) -> None:
+        while True:
+            try:
+                msgs = conn.recv()
+            except (EOFError, OSError):
+                return
+            self._loop.call_soon_threadsafe(self._deliver, msgs, gen)
+
+    def _watch(self, procs: list[mp.Process], gen: int) -> None:
+        dead = wait([p.sentinel for p in procs])
+        if dead:
+            self._loop.call_soon_threadsafe(self._died, gen)
+
+    def _deliver(self, msgs: list, gen: int) -> None:
+        if gen != self._generation:
+            return
+        for m in msgs:
+            if isinstance(m, CallOutput):
+                q = self._calls.get(m.request_id)
+                if q is not None:
+                    q.put_nowait(m)
+            elif isinstance(m, InstanceStats):
+                self.stats = m
+            elif isinstance(m, InstanceReady):
+                self.ready = m
+                self.healthy = m.error is None
+                self._ready_event.set()
+                if self.healthy:
+                    log.info("instance %s ready (%s) in %.1fs", self.name, ", ".join(m.models), m.load_s)
+
+    def _died(self, gen: int) -> None:
+        if gen != self._generation or self._stopping:
+            return
+        codes = [p.exitcode for p in self._procs]
+        log.error("instance %s: a worker died (exit codes %s); failing %d calls and restarting",
+                  self.name, codes, len(self._calls))
+        self.healthy = False
+        error = InstanceFailed(f"instance {self.name} lost a worker process (exit codes {codes}); "
+                               "it is restarting, retry the request")
+        for q in self._calls.values():
+            q.put_nowait(error)
+        self._calls.clear()
+        self._kill()
+        self.restarts += 1
+        if self.ready is not None and self.ready.error is None:  # it worked before: try again
+            self._spawn()
+        else:
+            self._ready_event.set()
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    async def generate(self, call: InstanceCall) -> AsyncIterator[CallOutput]:
+        """Stream a call's outputs; closing the iterator early cancels the call on the instance."""
+        if not self.healthy:
+            raise InstanceUnavailable(f"instance {self.name} is not ready")
+        if call.request_id in self._calls:
+            raise ValueError(f"duplicate request id {call.request_id}")
+        q: asyncio.Queue = asyncio.Queue()
+        self._calls[call.request_id] = q
+        gen = self._generation
+        finished = False
+        try:
+            self._conn.send(call)
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.finish is FinishReason.ERROR:
+                    finished = True
+                    raise InstanceFailed(item.error or f"instance {self.name} failed the call")
+                finished = item.finish is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._calls.pop(call.request_id, None)
+            if not finished and gen == self._generation and self.healthy:
+                try:
+                    self._conn.send(CancelCall(call.request_id))
+                except OSError:
+                    pass
