@@ -1,0 +1,353 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI app over a supervisor's engine groups.
+
+`create_app(supervisor)` serves `/v1/chat/completions`, `/v1/completions` (streamed as SSE or
+whole), `/v1/models`, `/health` and `/metrics`. A completion request is: authorize, read the body
+under `max_body_bytes`, parse (`openai_protocol`), route (`policies`), then drive the call as text
+(`generation`) and format it (`responses`). Every error leaves as OpenAI's error JSON.
+
+Cancellation is the part to get right: a client that goes away must stop the call on the instance.
+Streaming responses watch for `http.disconnect` and cancel the body, whose `finally` closes the
+instance stream; non-streaming requests watch the same event in a sibling task.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from talaria.contracts.call import InstanceCall
+from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.router.errors import (
+    AUTHENTICATION,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    APIError,
+)
+from talaria.router.generation import TextGeneration
+from talaria.router.metrics import GatewayMetrics
+from talaria.router.openai_protocol import Endpoint, ParsedRequest, parse_request
+from talaria.router.policies import make_policy
+from talaria.router.responses import DONE, ResponseFormat, sse
+
+if TYPE_CHECKING:
+    from talaria.node.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2  # what a 503 tells clients to wait: instances restart or free up within seconds
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody receives it
+COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+
+
+def create_app(
+    supervisor: Supervisor,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+    new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+) -> FastAPI:
+    """The gateway app. `clock` (monotonic) times latencies and session leases; `wall_clock` stamps
+    `created` and `InstanceCall.enqueue_time`; `new_id` makes request ids."""
+    gateway = Gateway(supervisor, clock, wall_clock, new_id)
+    app = FastAPI(title="Talaria", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    app.add_middleware(RequestCounter, metrics=gateway.metrics)
+    app.add_api_route("/health", gateway.health, methods=["GET"])
+    app.add_api_route("/metrics", gateway.metrics_page, methods=["GET"])
+    app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", gateway.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
+    _install_error_handlers(app)
+    return app
+
+
+class Gateway:
+    """Per-app state and the route handlers; no module-level state, so apps can coexist."""
+
+    def __init__(self, supervisor: Supervisor, clock: Callable[[], float],
+                 wall_clock: Callable[[], float], new_id: Callable[[], str]) -> None:
+        self.supervisor = supervisor
+        self.config = supervisor.config
+        self.metrics = GatewayMetrics(supervisor.stats)
+        self.policy = make_policy(self.config.router, clock)
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._new_id = new_id
+        self._started = int(wall_clock())
+
+    async def health(self) -> JSONResponse:
+        """200 when every engine group is healthy, else 503; the body lists each instance."""
+        groups = {g.name: g for m in self.supervisor.model_names() for g in self.supervisor.groups_for(m)}
+        ok = bool(groups) and all(g.healthy for g in groups.values())
+        instances = {name: {"healthy": g.healthy, "in_flight": g.in_flight} for name, g in groups.items()}
+        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": instances},
+                            status_code=200 if ok else 503)
+
+    async def metrics_page(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        data = [{"id": name, "object": "model", "created": self._started, "owned_by": "talaria",
+                 "max_model_len": self.supervisor.arch(name).max_position}
+                for name in self.supervisor.model_names()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, Endpoint.CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, Endpoint.COMPLETIONS)
+
+    async def _complete(self, request: Request, endpoint: Endpoint) -> Response:
+        arrival, arrival_wall = self._clock(), self._wall_clock()
+        request_id = f"{'chatcmpl' if endpoint is Endpoint.CHAT else 'cmpl'}-{self._new_id()}"
+        request.state.request_id = request_id
+        self._authorize(request)
+        body = await _read_json(request, self.config.server.max_body_bytes)
+        parsed = await anyio.to_thread.run_sync(  # tokenizing a 100K-token prompt must not stall the loop
+            parse_request, endpoint, body, self.supervisor, request.headers.get("x-session-id"))
+        group = self.policy.route(parsed.model, parsed.session_id, self.supervisor.groups_for(parsed.model))
+        call = InstanceCall(request_id, parsed.model, parsed.prompt_token_ids, parsed.sampling,
+                            parsed.session_id, enqueue_time=arrival_wall)
+        gen = TextGeneration(group, call, self.supervisor.tokenizer(parsed.model), parsed.stop, self._clock)
+        fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage)
+        log.debug("%s: %s on %s, %d prompt tokens", request_id, parsed.model, group.name, len(call.prompt_token_ids))
+        headers = {"x-request-id": request_id}
+        if parsed.stream:
+            headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+            return SSEResponse(self._stream(gen, fmt, parsed, arrival), headers=headers)
+        return await self._whole(request, gen, fmt, parsed, arrival, headers)
+
+    async def _stream(self, gen: TextGeneration, fmt: ResponseFormat, parsed: ParsedRequest,
+                      arrival: float) -> AsyncIterator[bytes]:
+        try:
+            first = fmt.first_chunk()
+            if first is not None:
+                yield first
+            try:
+                async with aclosing(gen.text()) as deltas:
+                    async for text in deltas:
+                        yield fmt.text_chunk(text)
+            except (InstanceFailed, InstanceUnavailable) as e:
+                yield sse(_instance_error(e, gen.call.request_id).body())
+                return  # no [DONE]: the stream ends in error
+            except Exception:  # headers are sent: report in-band, keep the traceback in the log
+                log.exception("%s: unhandled error mid-stream", gen.call.request_id)
+                yield sse(APIError(500, f"internal server error (request id {gen.call.request_id})",
+                                   SERVER_ERROR).body())
+                return
+            yield fmt.finish_chunk(gen.finish_reason or "stop")
+            if parsed.include_usage and gen.usage is not None:
+                yield fmt.usage_chunk(gen.usage)
+            yield DONE
+        finally:
+            self._record(gen, parsed, arrival)
+
+    async def _whole(self, request: Request, gen: TextGeneration, fmt: ResponseFormat,
+                     parsed: ParsedRequest, arrival: float, headers: dict[str, str]) -> Response:
+        parts: list[str] = []
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, request.receive, tg.cancel_scope)
+            try:
+                async with aclosing(gen.text()) as deltas:
+                    async for text in deltas:
+                        parts.append(text)
+            except (InstanceFailed, InstanceUnavailable) as e:
+                failure = e
+            finally:
+                tg.cancel_scope.cancel()  # stop the watcher (or we were cancelled by it)
+        self._record(gen, parsed, arrival)
+        if failure is not None:
+            raise _instance_error(failure, gen.call.request_id)
+        if gen.finish_reason is None or gen.usage is None:
+            log.info("%s: client disconnected; call cancelled", gen.call.request_id)
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(fmt.whole("".join(parts), gen.finish_reason, gen.usage), headers=headers)
+
+    def _record(self, gen: TextGeneration, parsed: ParsedRequest, arrival: float) -> None:
+        """Metrics and session memory for a call that finished normally; nothing otherwise."""
+        if gen.finish_reason is None or gen.usage is None or gen.finished_at is None:
+            return
+        self.metrics.observe_call(parsed.model, gen.group.name, arrival, gen.first_token_at, gen.finished_at,
+                                  gen.usage)
+        self.policy.complete(parsed.model, parsed.session_id, gen.group.name)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.server.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                           AUTHENTICATION, None, "missing_api_key", {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided.", AUTHENTICATION, None, "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always stops its body when the client disconnects and
+    always closes the body iterator, whatever ASGI spec version the server speaks.
+
+    Starlette's StreamingResponse listens for disconnects only under ASGI < 2.4 and never closes the
+    iterator when cancelled between chunks; both would leave a call decoding for nobody.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            try:
+                await self.stream_response(send)
+            except OSError:  # ASGI 2.4 servers raise on send once the client is gone
+                log.info("client went away mid-stream")
+            tg.cancel_scope.cancel()
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+class RequestCounter:
+    """ASGI middleware counting /v1 requests by path and final status (errors included)."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 500  # unless a response starts, the request died in an unhandled error
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.count_request(path if path in COUNTED_PATHS else "other", status)
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Wait until the client disconnects, then cancel `scope` (the work done on its behalf)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing more than `limit` bytes whatever Content-Length claims."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError.invalid("Content-Length must be a non-negative integer")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(CLIENT_CLOSED, "client closed the request") from None
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError.invalid("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise APIError.invalid(f"the request body is not valid JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes (server.max_body_bytes)", INVALID_REQUEST,
+                    None, "request_too_large")
+
+
+def _instance_error(e: Exception, request_id: str) -> APIError:
+    if isinstance(e, InstanceUnavailable):
+        log.info("%s: 503: %s", request_id, e)
+        return APIError(503, str(e), UNAVAILABLE, None, "instance_unavailable",
+                        {"Retry-After": str(RETRY_AFTER_S)})
+    log.warning("%s: instance failed mid-call: %s", request_id, e)
+    return APIError(503, f"the instance serving this call failed and is restarting ({e}); retry the request",
+                    UNAVAILABLE, None, "instance_failed", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _error_response(request: Request, error: APIError) -> JSONResponse:
+    request_id = getattr(request.state, "request_id", None)
+    log.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s: %d %s",
+            request_id or request.url.path, error.status, error.message)
+    headers = dict(error.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Route every failure, including FastAPI's own, to OpenAI-shaped JSON."""
+
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(request, exc)
+
+    async def instance_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(request, _instance_error(exc, getattr(request.state, "request_id", "-")))
+
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+        loc = [str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p not in ("body", "query")]
+        msg = errors[0].get("msg", "invalid request") if errors else "invalid request"
+        return _error_response(request, APIError.invalid(msg, ".".join(loc) or None))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+        message = f"no route for {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
+        return _error_response(request, APIError(exc.status_code, str(message), kind, None, None, exc.headers))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        log.error("%s: unhandled error", request_id or request.url.path, exc_info=exc)
+        return _error_response(request, APIError(500, f"internal server error (request id {request_id})",
+                                                 SERVER_ERROR))
+
+    app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(InstanceUnavailable, instance_error)
+    app.add_exception_handler(InstanceFailed, instance_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)

