@@ -14,7 +14,7 @@ from talaria.config.schema import InstanceConfig
 from talaria.contracts.call import CallOutput, InstanceCall, InstanceStats
 from talaria.models.source import ModelFiles
 from talaria.node.batcher import Batcher
-from talaria.node.engine.arena import Arena
+from talaria.node.engine.arena import ALIGN, Arena
 from talaria.node.engine.parallel import TPGroup
 from talaria.node.engine.runner import ModelRunner
 from talaria.node.engine.sampler import Sampler
@@ -36,7 +36,7 @@ class EngineCore:
         share = self.arena.free_bytes // len(models)
         self.pages = {}
         for name, runner in self.runners.items():
-            n = share // runner.page_bytes(instance.page_size) - 1  # -1: alignment slack
+            n = (share - ALIGN) // runner.page_bytes(instance.page_size)  # ALIGN: the pool's alignment slack
             if n < MIN_PAGES:
                 raise MemoryError(f"instance {instance.name}: arena_bytes = {instance.arena_bytes} leaves room "
                                   f"for {max(n, 0)} KV pages of model {name!r}; raise arena_bytes")
