@@ -1,0 +1,115 @@
+"""The tokenizer of a prepared model directory: encode, decode, chat template, streaming decode.
+
+Wraps ``tokenizers.Tokenizer`` (the fast Rust tokenizer) with the bits of ``tokenizer_config.json``
+the gateway needs: whether to prepend BOS, the special tokens, and the Jinja chat template. It
+reads only files, so a converted GGUF, a synthetic model and an HF checkpoint all load the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from talaria.models.chat_template import ChatTemplate
+from talaria.models.detokenizer import IncrementalDetokenizer
+from talaria.models.errors import ChatTemplateError, ModelSourceError
+from talaria.models.hf_dir import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, read_json
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Text <-> ids for one model."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, add_bos_token: bool, bos_token_id: int | None,
+                 eos_token_ids: tuple[int, ...], chat_template: ChatTemplate | None):
+        self._backend = backend
+        self._add_bos = add_bos_token and bos_token_id is not None
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self._chat_template = chat_template
+
+    @classmethod
+    def load(cls, directory: Path) -> Tokenizer:
+        """From ``tokenizer.json`` + ``tokenizer_config.json`` (+ eos ids from config/generation_config)."""
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(directory / TOKENIZER))
+            config = read_json(directory / TOKENIZER_CONFIG) if (directory / TOKENIZER_CONFIG).is_file() else {}
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for malformed JSON
+            raise ModelSourceError(f"{directory}: cannot load the tokenizer ({e}); "
+                                   "re-prepare the model or re-download tokenizer.json") from None
+        special = {name: _token_text(config.get(name)) for name in _SPECIAL_NAMES}
+        bos = backend.token_to_id(special["bos_token"]) if special["bos_token"] else None
+        eos = _config_eos(directory)
+        if special["eos_token"] and (tok_eos := backend.token_to_id(special["eos_token"])) is not None:
+            eos = tuple(dict.fromkeys(eos + (tok_eos,)))
+        source = _template_source(directory, config)
+        template = ChatTemplate(source, special) if source else None
+        return cls(backend, add_bos_token=bool(config.get("add_bos_token", False)), bos_token_id=bos,
+                   eos_token_ids=eos, chat_template=template)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for ``text``; the only special token ever added is BOS, when the model asks for it."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self._add_bos:
+            return [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation; raises ChatTemplateError if it cannot be rendered."""
+        if self._chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use the completions endpoint "
+                                    "or add chat_template to its tokenizer_config.json")
+        return self._chat_template.render(messages, add_generation_prompt, tools)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Ids of the rendered conversation. No BOS is added: templates write their own, as in
+        transformers' ``apply_chat_template(tokenize=True)``."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh streaming decoder whose pieces concatenate to ``decode(all_ids)``."""
+        return IncrementalDetokenizer(lambda ids: self.decode(ids, skip_special_tokens))
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _config_eos(directory: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in (CONFIG, GENERATION_CONFIG):
+        try:
+            eos = read_json(directory / name).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return tuple(dict.fromkeys(ids))
+
+
+def _template_source(directory: Path, config: Mapping[str, Any]) -> str | None:
+    """``chat_template`` from the config (a string, or HF's list of named templates), else
+    ``chat_template.jinja`` beside it, as newer transformers save it."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    return template or None
