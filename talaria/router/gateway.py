@@ -63,7 +63,7 @@ def create_app(
     new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
 ) -> FastAPI:
     """The gateway app. `clock` (monotonic) times latencies and session leases; `wall_clock` stamps
-    `created` and `InstanceCall.enqueue_time`; `new_id` makes request ids."""
+    `created`; `InstanceCall.enqueue_time` is on `clock`, the node's monotonic clock; `new_id` makes request ids."""
     gateway = Gateway(supervisor, clock, wall_clock, new_id)
     app = FastAPI(title="Talaria", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
@@ -92,10 +92,12 @@ class Gateway:
         self._started = int(wall_clock())
 
     async def health(self) -> JSONResponse:
-        """200 when every engine group is healthy, else 503; the body lists each instance."""
+        """200 when every engine group is healthy, else 503; the body lists each instance with its
+        worker pids in rank order (so operators and tests can find a rank's process)."""
         groups = {g.name: g for m in self.supervisor.model_names() for g in self.supervisor.groups_for(m)}
         ok = bool(groups) and all(g.healthy for g in groups.values())
-        instances = {name: {"healthy": g.healthy, "in_flight": g.in_flight} for name, g in groups.items()}
+        instances = {name: {"healthy": g.healthy, "in_flight": g.in_flight, "pids": g.pids}
+                     for name, g in groups.items()}
         return JSONResponse({"status": "ok" if ok else "unavailable", "instances": instances},
                             status_code=200 if ok else 503)
 
@@ -125,7 +127,7 @@ class Gateway:
             parse_request, endpoint, body, self.supervisor, request.headers.get("x-session-id"))
         group = self.policy.route(parsed.model, parsed.session_id, self.supervisor.groups_for(parsed.model))
         call = InstanceCall(request_id, parsed.model, parsed.prompt_token_ids, parsed.sampling,
-                            parsed.session_id, enqueue_time=arrival_wall)
+                            parsed.session_id, enqueue_time=arrival)
         gen = TextGeneration(group, call, self.supervisor.tokenizer(parsed.model), parsed.stop, self._clock)
         fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage)
         log.debug("%s: %s on %s, %d prompt tokens", request_id, parsed.model, group.name, len(call.prompt_token_ids))
