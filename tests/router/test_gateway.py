@@ -21,6 +21,7 @@ class Clock:
 
 def client_for(sup: FakeEchoSupervisor, **kw) -> TestClient:
     ids = iter(f"id{i}" for i in range(1_000_000))
+    kw.setdefault("clock", lambda: 42.25)
     app = create_app(sup, wall_clock=lambda: 1_700_000_000.5, new_id=lambda: next(ids), **kw)
     return TestClient(app, raise_server_exceptions=False)
 
@@ -62,7 +63,7 @@ def test_completion_non_streaming(client, sup):
     }
     call = sup.groups[0].calls[0]
     assert call.request_id == "cmpl-id0" and call.prompt_token_ids == tuple(b"abc")
-    assert call.enqueue_time == 1_700_000_000.5
+    assert call.enqueue_time == 42.25  # the node's monotonic clock, not the wall clock
     assert sup.groups[0].closed == ["cmpl-id0"]
 
 
