@@ -25,7 +25,8 @@ class Batcher:
         self.pages = pages
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.max_context = max_context
+        # a sequence may grow until its KV fills the whole pool (others preempted), then it must stop
+        self.max_context = min(max_context, pages.num_pages * pages.page_size + 1)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the newest is preempted first

@@ -90,13 +90,11 @@ class Scheduler:
             return CallOutput(seq.call.request_id, new, committed_kv_tokens=seq.num_computed)
         self._seqs.pop(seq.seq_id, None)
         self._by_request.pop(seq.call.request_id, None)
-        first = seq.first_token_at or self.clock()
-        timings = CallTimings(
-            queued_s=(seq.first_scheduled or seq.arrival) - seq.arrival,
-            prefill_s=seq.prefill_s,
-            decode_s=(seq.last_token_at or first) - first,
-            first_token_at=first,
-        )
+        first = self.clock() if seq.first_token_at is None else seq.first_token_at
+        scheduled = seq.arrival if seq.first_scheduled is None else seq.first_scheduled
+        last = first if seq.last_token_at is None else seq.last_token_at
+        timings = CallTimings(queued_s=scheduled - seq.arrival, prefill_s=seq.prefill_s,
+                              decode_s=last - first, first_token_at=first)
         usage = Usage(seq.num_prompt, seq.num_generated, seq.num_cached)
         return CallOutput(seq.call.request_id, new, seq.finish, usage, seq.num_computed, timings)
 

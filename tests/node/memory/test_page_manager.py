@@ -1,0 +1,202 @@
+"""PageManager on toy pools: exact page ids, ref counts, LRU eviction and the prefix-hash chain."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from talaria.node.memory.page_manager import ROOT_HASH, PageManager, page_hash
+
+PS = 4
+
+
+def published(pm: PageManager, pages: list[int]) -> list[int]:
+    """Publish `pages` under distinct fake hashes 1000 + page id; returns the hashes."""
+    hashes = [1000 + p for p in pages]
+    for p, h in zip(pages, hashes):
+        pm.publish(p, h)
+    return hashes
+
+
+# ---- allocation and ref counts ---------------------------------------------------------------
+
+
+def test_allocate_takes_page_ids_in_free_list_order():
+    pm = PageManager(8, PS)
+    assert pm.allocate(3) == [0, 1, 2]
+    assert pm.allocate(2) == [3, 4]
+    assert (pm.num_free, pm.num_used) == (3, 5)
+    pm.release([0, 1, 2])  # appended to the free list tail first: 2, 1, 0
+    assert pm.allocate(5) == [5, 6, 7, 2, 1]
+    assert pm.num_free == 1 and pm.is_free(0)
+
+
+def test_allocate_beyond_free_raises_and_takes_nothing():
+    pm = PageManager(4, PS)
+    pm.allocate(2)
+    hashes = published(pm, [0])
+    pm.release([0])
+    with pytest.raises(MemoryError, match="need 4 pages, 3 free"):
+        pm.allocate(4)
+    assert pm.num_free == 3
+    assert pm.match_prefix(hashes) == [0]  # the failed call evicted nothing
+    assert pm.allocate(3) == [2, 3, 0]
+
+
+def test_acquire_and_release_count_references():
+    pm = PageManager(2, PS)
+    assert pm.allocate(2) == [0, 1]
+    pm.acquire([0])  # a second sequence shares page 0
+    pm.release([0, 1])
+    assert not pm.is_free(0) and pm.is_free(1)
+    assert pm.num_free == 1
+    assert pm.allocate(1) == [1]
+    with pytest.raises(MemoryError):
+        pm.allocate(1)  # page 0 still has one reference
+    pm.release([0])
+    assert pm.is_free(0)
+    assert pm.allocate(1) == [0]
+
+
+def test_acquire_of_a_free_cached_page_takes_it_off_the_free_list():
+    pm = PageManager(3, PS)
+    pm.allocate(3)
+    hashes = published(pm, [0])
+    pm.release([0, 1, 2])
+    assert pm.num_free == 3
+    pm.acquire(pm.match_prefix(hashes))
+    assert pm.num_free == 2 and not pm.is_free(0)
+    assert pm.allocate(2) == [2, 1]  # page 0 is not handed out while referenced
+
+
+# ---- the prefix cache and eviction --------------------------------------------------------------
+
+
+def test_released_published_page_stays_matchable_until_evicted():
+    pm = PageManager(2, PS)
+    assert pm.allocate(1) == [0]
+    hashes = published(pm, [0])
+    pm.release([0])
+    assert pm.is_free(0)
+    assert pm.match_prefix(hashes) == [0]
+    assert pm.allocate(1) == [1]  # a never-used page goes first: page 0 stays cached
+    assert pm.match_prefix(hashes) == [0]
+    assert pm.allocate(1) == [0]  # now it is evicted
+    assert pm.match_prefix(hashes) == []
+
+
+def test_eviction_is_least_recently_released_first():
+    pm = PageManager(4, PS)
+    assert pm.allocate(4) == [0, 1, 2, 3]
+    h = dict(zip(range(4), published(pm, [0, 1, 2, 3])))
+    for p in (1, 3, 0, 2):
+        pm.release([p])
+    assert pm.allocate(1) == [1]
+    assert pm.match_prefix([h[1]]) == []
+    assert [pm.match_prefix([h[p]]) for p in (0, 2, 3)] == [[0], [2], [3]]
+    pm.acquire([3])  # a prefix hit, then released again: now the most recent
+    pm.release([3])
+    assert pm.allocate(2) == [0, 2]
+    assert pm.match_prefix([h[3]]) == [3]
+    assert pm.match_prefix([h[0]]) == pm.match_prefix([h[2]]) == []
+
+
+def test_a_sequences_tail_pages_are_evicted_before_its_head_pages():
+    pm = PageManager(4, PS)
+    tokens = list(range(12))
+    chain = pm.extend_chain([], tokens)
+    pages = pm.allocate(3)
+    for p, h in zip(pages, chain):
+        pm.publish(p, h)
+    pm.release(pages)
+    assert pm.allocate(1) == [3]  # the never-used page first
+    assert pm.allocate(1) == [2]  # then the tail of the released sequence
+    assert pm.match_prefix(chain) == [0, 1]
+    assert pm.allocate(1) == [1]
+    assert pm.match_prefix(chain) == [0]
+
+
+def test_publish_of_duplicate_content_keeps_the_first_page():
+    pm = PageManager(3, PS)
+    pm.allocate(3)
+    pm.publish(0, 77)
+    pm.publish(1, 77)  # same content computed again elsewhere
+    assert pm.match_prefix([77]) == [0]
+    pm.publish(0, 88)  # a published page keeps its first hash
+    assert pm.match_prefix([88]) == []
+    pm.release([1])
+    assert pm.allocate(1) == [1]  # evicting the duplicate does not drop the cached entry
+    assert pm.match_prefix([77]) == [0]
+
+
+def test_match_prefix_stops_at_the_first_miss():
+    pm = PageManager(4, PS)
+    pm.allocate(4)
+    pm.publish(0, 10)
+    pm.publish(2, 30)
+    pm.publish(3, 40)
+    assert pm.match_prefix([10, 20, 30, 40]) == [0]
+    assert pm.match_prefix([20, 30, 40]) == []
+    assert pm.match_prefix([10]) == [0]
+    assert pm.match_prefix([]) == []
+
+
+def test_reset_cache_forgets_every_prefix_but_keeps_references():
+    pm = PageManager(2, PS)
+    pm.allocate(2)
+    hashes = published(pm, [0, 1])
+    pm.release([1])
+    pm.reset_cache()
+    assert pm.match_prefix(hashes[:1]) == [] and pm.match_prefix(hashes[1:]) == []
+    assert (pm.num_free, pm.is_free(0)) == (1, False)
+
+
+# ---- hash chains -----------------------------------------------------------------------------------
+
+
+def test_extend_chain_is_incremental_and_equals_a_chain_from_scratch():
+    pm = PageManager(8, PS)
+    tokens = [5, 3, 9, 1, 4, 4, 8, 2, 7, 6]
+    chain: list[int] = []
+    assert pm.extend_chain(chain, tokens[:3]) == []  # no full page yet
+    assert pm.extend_chain(chain, tokens[:5]) is chain
+    assert chain == [page_hash(ROOT_HASH, tokens[0:4], PS)]
+    first = chain[0]
+    pm.extend_chain(chain, tokens)
+    assert chain == [first, page_hash(first, tokens[4:8], PS)]
+    assert chain == pm.extend_chain([], tokens)
+
+
+def test_page_hash_depends_on_every_token_the_parent_and_the_page_size():
+    tokens = [11, 12, 13, 14]
+    base = page_hash(ROOT_HASH, tokens, 4)
+    for i in range(4):
+        changed = list(tokens)
+        changed[i] += 1
+        assert page_hash(ROOT_HASH, changed, 4) != base, f"token {i} is not hashed"
+    assert page_hash(ROOT_HASH, [12, 11, 13, 14], 4) != base
+    assert page_hash(1, tokens, 4) != base
+    assert page_hash(ROOT_HASH, tokens, 8) != base
+    assert page_hash(ROOT_HASH, list(tokens), 4) == base
+
+
+def test_chain_hash_covers_the_whole_prefix():
+    pm = PageManager(4, PS)
+    shared_tail = [9, 9, 9, 9]
+    a = pm.extend_chain([], [1, 2, 3, 4] + shared_tail)
+    b = pm.extend_chain([], [1, 2, 3, 5] + shared_tail)
+    assert a[1] != b[1]  # same second page, different first page
+    pages = pm.allocate(2)
+    for p, h in zip(pages, a):
+        pm.publish(p, h)
+    assert pm.match_prefix(b) == []  # b's second page must not hit a's
+
+
+def test_page_hash_is_stable_across_processes():
+    code = "from talaria.node.memory.page_manager import page_hash; print(page_hash(123, [1, 2, 300000], 4))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout) == page_hash(123, [1, 2, 300000], 4)
