@@ -1,4 +1,5 @@
-"""Shared fixtures: one real `talaria up` process per test session, on a free loopback port."""
+"""Shared fixtures: one real `talaria up` process per test session, on a free loopback port, and
+helpers for tests that start their own server and look at its worker processes."""
 
 from __future__ import annotations
 
@@ -8,15 +9,45 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "talaria.toml"
 START_TIMEOUT_S = 300
+POLL_S = 0.05
+
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll `probe` until it returns something truthy and return that; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout}s still not {what} (last probe: {value!r})")
+        time.sleep(POLL_S)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead child its parent has not reaped yet)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def living(pids: Iterable[int]) -> list[int]:
+    return [p for p in pids if alive(p)]
 
 
 def free_port() -> int:
@@ -37,6 +68,26 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base_url + "/health", timeout=5)
+
+    def worker_pids(self) -> list[int]:
+        """The engine workers (multiprocessing spawn children, not its resource tracker), oldest
+        first. Groups spawn in config order and each spawns its ranks in rank order, so at startup
+        this is every instance's ranks in turn; a group that restarts appends its new ranks."""
+        workers = []
+        for child in psutil.Process(self.process.pid).children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                    workers.append((child.create_time(), child.pid))
+            except psutil.NoSuchProcess:
+                pass
+        return [pid for _, pid in sorted(workers)]
+
+    def descendants(self) -> list[int]:
+        """Every process below the server: the workers and multiprocessing's resource tracker."""
+        return [c.pid for c in psutil.Process(self.process.pid).children(recursive=True)]
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

@@ -64,8 +64,9 @@ class EngineGroup:
         self._loop = asyncio.get_running_loop()
         self._spawn()
         await self._ready_event.wait()
-        if self.ready.error:
-            raise InstanceFailed(f"instance {self.name} could not start: {self.ready.error}")
+        if self.ready is None or self.ready.error:  # None: a worker died before rank 0 reported
+            why = self.ready.error if self.ready else "a worker process exited during startup (see its log)"
+            raise InstanceFailed(f"instance {self.name} could not start: {why}")
 
     def _spawn(self) -> None:
         self._generation += 1

@@ -92,12 +92,10 @@ class Gateway:
         self._started = int(wall_clock())
 
     async def health(self) -> JSONResponse:
-        """200 when every engine group is healthy, else 503; the body lists each instance with its
-        worker pids in rank order (so operators and tests can find a rank's process)."""
+        """200 when every engine group is healthy, else 503; the body lists each instance."""
         groups = {g.name: g for m in self.supervisor.model_names() for g in self.supervisor.groups_for(m)}
         ok = bool(groups) and all(g.healthy for g in groups.values())
-        instances = {name: {"healthy": g.healthy, "in_flight": g.in_flight, "pids": g.pids}
-                     for name, g in groups.items()}
+        instances = {name: {"healthy": g.healthy, "in_flight": g.in_flight} for name, g in groups.items()}
         return JSONResponse({"status": "ok" if ok else "unavailable", "instances": instances},
                             status_code=200 if ok else 503)
 
