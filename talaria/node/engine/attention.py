@@ -1,9 +1,11 @@
 """Paged attention on torch SDPA: per-step metadata and the per-layer kernel call.
 
-The KV pool is a flat array of token slots (page * page_size + offset). A step's metadata says where
-each new token's K/V goes and which slots each sequence attends to. Decoding sequences (one query
-each) run as one padded SDPA call; prefill chunks run one call each with a causal mask offset by
-the cached prefix.
+KV lives in pages (see kv_cache.py). A step's metadata says where each new token's K/V goes
+(page, offset) and which pages each sequence attends to. Decoding sequences (one query each) run as
+one padded SDPA call; prefill chunks run one call each with a causal mask offset by the cached
+prefix. Gathered positions past a sequence's context (the tail of its last page, padding pages) are
+zeroed before SDPA: a masked position still multiplies its V by a zero weight, and a freed page may
+hold anything — NaN in poison mode.
 """
 
 from __future__ import annotations
@@ -20,83 +22,96 @@ from talaria.node.step_plan import StepPlan
 class PrefillSeq:
     row: int  # first row of this chunk in the flattened step
     q_len: int
-    slots: torch.Tensor  # (ctx,) KV slots of the whole context, chunk included
+    ctx: int  # context length, chunk included
+    pages: torch.Tensor  # (ceil(ctx / page_size),) pages of the context
     mask: torch.Tensor | None  # (q_len, ctx) bool, None when the chunk is the whole context (causal)
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    rows: torch.Tensor | None  # (B,) rows of decoding sequences; None when they are all the rows
+    pages: torch.Tensor  # (B * max_pages,) context pages, padded with the null page
+    valid: torch.Tensor | None  # (B, max_pages * page_size) bool, None when no position is invalid
+    batch: int
+
+
+@dataclass(slots=True)
 class AttentionMeta:
-    write_slots: torch.Tensor  # (T,) where each new token's K/V goes
-    decode_rows: torch.Tensor | None  # (B,) rows of decoding sequences
-    decode_slots: torch.Tensor | None  # (B * max_ctx,) context slots, padded, flattened
-    decode_mask: torch.Tensor | None  # (B, 1, 1, max_ctx) bool, None when no padding
+    write_pages: torch.Tensor  # (T,) page of each new token's K/V
+    write_offsets: torch.Tensor  # (T,) offset inside that page
+    decode: DecodeBatch | None
     prefills: list[PrefillSeq]
 
     @classmethod
-    def build(cls, plan: StepPlan, page_size: int, device: torch.device) -> AttentionMeta:
-        write, dec_rows, dec_ctx, prefills = [], [], [], []
-        offsets = torch.arange(page_size)
+    def build(cls, plan: StepPlan, page_size: int, null_page: int, device: torch.device) -> AttentionMeta:
+        w_pages: list[int] = []
+        w_offs: list[int] = []
+        dec_rows, dec_pages, dec_ctx, prefills = [], [], [], []
         row = 0
         for c in plan.chunks:
             n = len(c.token_ids)
-            pages = torch.tensor(c.page_table[: -(-c.context_len // page_size)], dtype=torch.long)
-            slots = (pages[:, None] * page_size + offsets).flatten()[: c.context_len]
-            write.append(slots[c.start_pos:])
+            for pos in range(c.start_pos, c.context_len):
+                w_pages.append(c.page_table[pos // page_size])
+                w_offs.append(pos % page_size)
+            pages = c.page_table[: -(-c.context_len // page_size)]
             if n == 1:
                 dec_rows.append(row)
-                dec_ctx.append(slots)
+                dec_pages.append(pages)
+                dec_ctx.append(c.context_len)
             else:
                 mask = None
                 if c.start_pos:
                     q_pos = torch.arange(c.start_pos, c.context_len)[:, None]
-                    mask = torch.arange(c.context_len)[None, :] <= q_pos  # (q_len, ctx)
-                prefills.append(PrefillSeq(row, n, slots.to(device), mask))
+                    mask = (torch.arange(c.context_len)[None, :] <= q_pos).to(device)  # (q_len, ctx)
+                prefills.append(PrefillSeq(row, n, c.context_len, torch.tensor(pages, device=device), mask))
             row += n
-        dec_slots = dec_mask = None
-        if dec_ctx:
-            lens = [len(s) for s in dec_ctx]
-            longest = max(lens)
-            dec_slots = torch.zeros(len(dec_ctx), longest, dtype=torch.long)
-            for i, s in enumerate(dec_ctx):
-                dec_slots[i, : len(s)] = s
-            if min(lens) != longest:
-                dec_mask = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-        return cls(
-            write_slots=torch.cat(write).to(device),
-            decode_rows=torch.tensor(dec_rows, dtype=torch.long, device=device) if dec_rows else None,
-            decode_slots=dec_slots.flatten().to(device) if dec_slots is not None else None,
-            decode_mask=dec_mask.to(device) if dec_mask is not None else None,
-            prefills=prefills,
-        )
+        decode = None
+        if dec_rows:
+            width = max(len(p) for p in dec_pages)
+            flat = [p for pages in dec_pages for p in (*pages, *[null_page] * (width - len(pages)))]
+            valid = None
+            if any(ctx != width * page_size for ctx in dec_ctx):
+                valid = (torch.arange(width * page_size)[None, :] < torch.tensor(dec_ctx)[:, None]).to(device)
+            decode = DecodeBatch(
+                rows=None if not prefills else torch.tensor(dec_rows, device=device),
+                pages=torch.tensor(flat, device=device), valid=valid, batch=len(dec_rows))
+        return cls(torch.tensor(w_pages, device=device), torch.tensor(w_offs, device=device), decode, prefills)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
-    """(slots, nkv, hd) cache -> (batch, nkv, ctx, hd) contiguous, for SDPA's fast path."""
-    kv = cache.index_select(0, slots)  # index_select: far cheaper than advanced indexing on CPU
-    return kv.view(batch, -1, *kv.shape[1:]).transpose(1, 2).contiguous()
+def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, valid: torch.Tensor | None,
+            ctx: int | None = None) -> torch.Tensor:
+    """(pages, page_size, nkv, hd) cache -> (batch, nkv, len, hd) contiguous, invalid positions zeroed."""
+    kv = cache.index_select(0, pages)  # (batch * n, page_size, nkv, hd)
+    kv = kv.view(batch, -1, *kv.shape[2:])  # (batch, n * page_size, nkv, hd)
+    if ctx is not None:
+        kv = kv[:, :ctx]
+    elif valid is not None:
+        kv = kv.masked_fill(~valid[:, :, None, None], 0.0)
+    return kv.transpose(1, 2).contiguous()
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMeta, scale: float) -> torch.Tensor:
-    """q: (T, nh, hd); caches: (slots, nkv, hd) with this step's K/V already written. -> (T, nh, hd)"""
-    if meta.decode_rows is not None and not meta.prefills:  # pure decode: rows are the batch
-        b = q.shape[0]
-        k, v = _gather(k_cache, meta.decode_slots, b), _gather(v_cache, meta.decode_slots, b)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
-        return o.squeeze(2)
+    """q: (T, nh, hd); caches: (pages, page_size, nkv, hd) with this step's K/V written. -> (T, nh, hd)"""
+    gqa = q.shape[1] != k_cache.shape[2]
+    d = meta.decode
+    if d is not None and d.rows is None:  # pure decode: the rows are the batch
+        k, v = _gather(k_cache, d.pages, d.batch, d.valid), _gather(v_cache, d.pages, d.batch, d.valid)
+        mask = d.valid[:, None, None, :] if d.valid is not None else None
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa).squeeze(2)
     out = torch.empty_like(q)
-    if meta.decode_rows is not None:
-        b = meta.decode_rows.shape[0]
-        k, v = _gather(k_cache, meta.decode_slots, b), _gather(v_cache, meta.decode_slots, b)
-        qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # (B, nh, 1, hd)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
-        out.index_copy_(0, meta.decode_rows, o.squeeze(2))
+    if d is not None:
+        k, v = _gather(k_cache, d.pages, d.batch, d.valid), _gather(v_cache, d.pages, d.batch, d.valid)
+        mask = d.valid[:, None, None, :] if d.valid is not None else None
+        o = F.scaled_dot_product_attention(q.index_select(0, d.rows).unsqueeze(2), k, v, attn_mask=mask,
+                                           scale=scale, enable_gqa=gqa)  # (B, nh, 1, hd)
+        out.index_copy_(0, d.rows, o.squeeze(2))
     for p in meta.prefills:
         qp = q[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, nh, q_len, hd)
-        k, v = _gather(k_cache, p.slots, 1), _gather(v_cache, p.slots, 1)  # (1, nkv, ctx, hd)
+        k = _gather(k_cache, p.pages, 1, None, p.ctx)  # (1, nkv, ctx, hd)
+        v = _gather(v_cache, p.pages, 1, None, p.ctx)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale, enable_gqa=qp.shape[1] != k.shape[1])
+                                           scale=scale, enable_gqa=gqa)
         out[p.row:p.row + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out

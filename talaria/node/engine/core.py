@@ -36,7 +36,7 @@ class EngineCore:
         share = self.arena.free_bytes // len(models)
         self.pages = {}
         for name, runner in self.runners.items():
-            n = (share - ALIGN) // runner.page_bytes(instance.page_size)  # ALIGN: the pool's alignment slack
+            n = (share - ALIGN) // runner.page_bytes(instance.page_size) - 1  # the null page, alignment slack
             if n < MIN_PAGES:
                 raise MemoryError(f"instance {instance.name}: arena_bytes = {instance.arena_bytes} leaves room "
                                   f"for {max(n, 0)} KV pages of model {name!r}; raise arena_bytes")

@@ -72,9 +72,9 @@ class LlamaModel:
                 k = rms_norm(k, lw.k_norm, arch.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            k_cache, v_cache = kv.layer(i)  # (slots, nkv, hd) each
-            k_cache.index_copy_(0, meta.write_slots, k)
-            v_cache.index_copy_(0, meta.write_slots, v)
+            k_cache, v_cache = kv.layer(i)  # (pages, page_size, nkv, hd) each
+            k_cache.index_put_((meta.write_pages, meta.write_offsets), k)
+            v_cache.index_put_((meta.write_pages, meta.write_offsets), v)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
             x = x + self.group.all_reduce(F.linear(o.reshape(T, nh * hd), lw.o_proj))
             h = rms_norm(x, lw.post_norm, arch.rms_norm_eps)

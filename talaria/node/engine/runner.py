@@ -31,7 +31,8 @@ class ModelRunner:
         return KVCache.page_bytes(self.shard, page_size, self.dtype)
 
     def bind_kv(self, arena: Arena, num_pages: int, page_size: int) -> None:
-        self.kv = KVCache(arena, self.shard, num_pages, page_size, self.dtype)
+        shape = (num_pages + 1, *KVCache.page_shape(self.shard, page_size))  # + the null page
+        self.kv = KVCache(arena.alloc(shape, self.dtype, what="KV pool"), page_size)
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step; logits (S, V) for the chunks that sample, in plan order, on rank 0."""
@@ -42,7 +43,7 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = AttentionMeta.build(plan, self.kv.page_size, dev)
+        meta = AttentionMeta.build(plan, self.kv.page_size, self.kv.null_page, dev)
         hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv)
         if not sample_rows:
             return None
