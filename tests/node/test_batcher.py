@@ -1,8 +1,9 @@
 """Batcher bookkeeping on a toy pool (8 pages of 4 tokens): exact step plans, no model.
 
 Each test plays the runner by hand: it takes the plan, chooses the "sampled" token of every chunk
-that samples, and commits. Page ids follow the PageManager's free list (fresh pages in id order,
-released pages appended tail first), so every page table below is exact.
+that samples, and commits. Page ids follow the PageManager's policy (the lowest page caching
+nothing first, then cached pages least recently freed first, a sequence's tail before its head), so
+every page table below is exact.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def test_admission_is_head_of_line_blocked_when_pages_are_short():
     b.commit(plan, {0: 99}, {0: a})
     assert a.finish is FinishReason.LENGTH  # max_tokens=1: a's pages are released, still cached
     assert b.plan(0.0) == plan_of(
-        SeqChunk(1, tuple(pb), 0, (5, 6, 7, 4), True),  # never-used pages, then a's tail
+        SeqChunk(1, tuple(pb), 0, (5, 6, 7, 4), True),  # every clean page, then a's tail
         SeqChunk(2, tuple(pc), 0, (3,), True),
     )
     assert b.pages.match_prefix(b.pages.extend_chain([], pa)) == [0, 1, 2]
@@ -208,7 +209,8 @@ def test_prefix_hit_at_admission_sets_num_computed_and_num_cached():
     step(b, [a], {0: 99})  # publishes pages 0 and 1; a finishes and releases 0, 1, 2
     bb = seq(1, p[:8] + [30, 31, 32])
     b.add(bb)
-    assert b.plan(5.0) == plan_of(SeqChunk(1, (30, 31, 32), 8, (0, 1, 3), True))
+    # pages 0 and 1 are hits; page 2 (partial, never published) is the lowest clean page
+    assert b.plan(5.0) == plan_of(SeqChunk(1, (30, 31, 32), 8, (0, 1, 2), True))
     assert (bb.num_computed, bb.num_cached, b.prefix_hit_tokens) == (8, 8, 8)
     assert b.pages.num_free == 5
 

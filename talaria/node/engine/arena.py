@@ -17,15 +17,16 @@ class ArenaFull(MemoryError):
     pass
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class Arena:
-    def __init__(self, nbytes: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, nbytes: int, device: torch.device | str = "cpu", *, pin: bool = False) -> None:
+        """pin: page-locked host memory (host images of device regions, for async copies)."""
         self.nbytes = nbytes
         self.device = torch.device(device)
-        self._storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
         self._low = 0  # next free byte from the bottom
         self._high = nbytes  # first byte taken from the top
 
@@ -39,7 +40,7 @@ class Arena:
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, *, what: str = "tensor") -> torch.Tensor:
         """A view from the low end (weights, KV pool)."""
-        n = _align(_nbytes(shape, dtype))
+        n = align_up(_nbytes(shape, dtype))
         if self._low + n > self._high:
             raise ArenaFull(f"arena: {what} needs {n} bytes, {self.free_bytes} free of {self.nbytes}")
         view = self._view(self._low, shape, dtype)
@@ -48,11 +49,31 @@ class Arena:
 
     def alloc_high(self, shape: tuple[int, ...], dtype: torch.dtype, *, what: str = "buffer") -> torch.Tensor:
         """A view anchored at the high end (runtime buffers)."""
-        n = _align(_nbytes(shape, dtype))
+        n = align_up(_nbytes(shape, dtype))
         if self._high - n < self._low:
             raise ArenaFull(f"arena: {what} needs {n} bytes, {self.free_bytes} free of {self.nbytes}")
         self._high -= n
         return self._view(self._high, shape, dtype)
+
+    def release_low(self, offset: int) -> None:
+        """Give back everything from `offset` up to the low watermark (a switch releases KV and weights)."""
+        self._low = align_up(offset)
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Byte offset of a view of this arena from the arena's start."""
+        return t.data_ptr() - self._storage.data_ptr()
+
+    @property
+    def base(self) -> int:
+        return self._storage.data_ptr()
+
+    def bytes(self, start: int, end: int) -> torch.Tensor:
+        """A raw uint8 view of [start, end)."""
+        return self._storage[start:end]
+
+    def view_at(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A typed view at a fixed offset (rebinding a model's parameters after a switch)."""
+        return self._view(offset, shape, dtype)
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = _nbytes(shape, dtype)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from talaria.node.engine.arena import Arena
+from talaria.node.engine.arena import Arena, align_up
 from talaria.node.engine.parallel import Shard
 
 
@@ -63,6 +63,44 @@ class _Checkpoint:
         if dim is None:
             return sl[:]
         return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+def weight_shapes(shard: Shard) -> list[tuple[int, ...]]:
+    """Shapes of every tensor `load_weights` allocates for this shard (their order does not matter)."""
+    a, hd = shard.arch, shard.arch.head_dim
+    h, qkv = a.hidden_size, (shard.heads + 2 * shard.kv_heads) * hd
+    layer = [(h,), (qkv, h), (h, shard.heads * hd), (h,), (2 * shard.intermediate, h), (h, shard.intermediate)]
+    layer += [(qkv,)] if a.attention_bias else []
+    layer += [(hd,), (hd,)] if a.qk_norm else []
+    heads = 1 if a.tie_word_embeddings else 2  # an untied checkpoint may still lack lm_head: upper bound
+    return layer * a.num_layers + [(shard.vocab, h)] * heads + [(h,)]
+
+
+def weights_nbytes(shard: Shard, dtype: torch.dtype) -> int:
+    """Arena bytes the shard's weights take: the size of the weights region and of its host image."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for shape in weight_shapes(shard):
+        n = item
+        for d in shape:
+            n *= d
+        total += align_up(n)
+    return total
+
+
+def rebind(weights: ModelWeights, source: Arena, target: Arena) -> ModelWeights:
+    """The same parameters as views of `target` at the offsets they have in `source`.
+
+    A model's host image and its device weights region share one layout, so a switch copies bytes
+    and rebinds views; no tensor is re-created from the checkpoint.
+    """
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else target.view_at(source.offset_of(t), tuple(t.shape), t.dtype)
+
+    layers = [LayerWeights(*(move(getattr(lw, f)) for f in LayerWeights.__slots__)) for lw in weights.layers]
+    embed = move(weights.embed)
+    lm_head = embed if weights.lm_head is weights.embed else move(weights.lm_head)
+    return ModelWeights(embed=embed, layers=layers, norm=move(weights.norm), lm_head=lm_head)
 
 
 def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype) -> ModelWeights:

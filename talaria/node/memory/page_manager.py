@@ -6,16 +6,18 @@ from the start of the sequence to the end of that page; a later prompt that star
 tokens reuses those pages instead of recomputing them. A dict keyed by cumulative hash is a radix
 tree at page granularity: a hit on page i implies a hit on pages 0..i-1.
 
-Freed pages keep their published hash and sit in an LRU list: they are evicted only when a new
-allocation needs room, so a finished session's KV stays reusable as long as memory allows.
+Freed pages keep their published hash and sit in an LRU list: they are evicted only when no clean
+page is left, so a finished session's KV stays reusable as long as memory allows.
 No tensors here: the runner owns the KV tensors, this class only decides which page ids to use.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Set
 from collections.abc import Sequence as Seq
 
 
@@ -32,28 +34,47 @@ ROOT_HASH = 0
 
 
 class PageManager:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    """Pages of one model's KV pool: allocation, ref counts, DMA pins and the prefix cache.
+
+    Allocation takes the lowest-numbered page that holds nothing cached, then evicts cached pages
+    least recently freed first. Low pages first keeps the high-address tail of the pool free for
+    staging the next model's weights (paper §4.4); `blocked` pages (a staging chunk being written)
+    are never handed out, and `on_allocate` tells the stager which pages were taken.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, blocked: Callable[[], Set[int]] | None = None,
+                 on_allocate: Callable[[list[int]], None] | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        self.blocked = blocked or frozenset
+        self.on_allocate = on_allocate
         self._ref = [0] * num_pages
+        self._pins = [0] * num_pages  # DMA copies in flight (host saves): apart from radix references
         self._hash_of: list[int | None] = [None] * num_pages
         self._page_of: dict[int, int] = {}  # published hash -> page id
-        # invariant: a page is in _free exactly when its ref count is 0; oldest first
-        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        # invariant: a page is free (in exactly one of these) iff its ref and pin counts are 0
+        self._clean: list[int] = list(range(num_pages))  # heap of free pages caching nothing
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free published pages, oldest first
 
     # ---- queries ---------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        """Pages that an allocation may take (unreferenced, cached or not)."""
-        return len(self._free)
+        """Pages that an allocation may take now (unreferenced, unpinned, not blocked)."""
+        blocked = self.blocked()
+        n = len(self._clean) + len(self._cached)
+        return n - sum(1 for p in blocked if self._is_free(p)) if blocked else n
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - len(self._clean) - len(self._cached)
+
+    def _is_free(self, page: int) -> bool:
+        return self._ref[page] == 0 and self._pins[page] == 0
 
     def is_free(self, page: int) -> bool:
-        return self._ref[page] == 0
+        """Unreferenced and unpinned (it may still cache a prefix)."""
+        return self._is_free(page)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -80,32 +101,70 @@ class PageManager:
     def acquire(self, pages: Seq[int]) -> None:
         """Take a reference on cached pages (a prefix hit)."""
         for p in pages:
-            if self._ref[p] == 0:
-                del self._free[p]
+            if self._is_free(p):
+                del self._cached[p]  # a hit is always on a published page
             self._ref[p] += 1
 
     def allocate(self, n: int) -> list[int]:
-        """n fresh pages, evicting least-recently freed cached pages; caller checks num_free."""
-        if n > len(self._free):
-            raise MemoryError(f"KV pool exhausted: need {n} pages, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            p, _ = self._free.popitem(last=False)
-            h = self._hash_of[p]
-            if h is not None:  # evict from the prefix cache
-                self._hash_of[p] = None
-                if self._page_of.get(h) == p:
-                    del self._page_of[h]
+        """n fresh pages: lowest clean pages first, then evict cached ones; caller checks num_free."""
+        blocked = self.blocked()
+        if not blocked and n <= len(self._clean):  # the common case: pop the lowest clean pages
+            clean, evict = [heapq.heappop(self._clean) for _ in range(n)], []
+        else:
+            clean = heapq.nsmallest(n, (p for p in self._clean if p not in blocked))
+            evict = [p for p in self._cached if p not in blocked][: n - len(clean)]
+            if len(clean) + len(evict) < n:  # decide before touching anything: a failure changes nothing
+                raise MemoryError(f"KV pool exhausted: need {n} pages, {len(clean) + len(evict)} free")
+            if clean:
+                taken = set(clean)
+                self._clean = [p for p in self._clean if p not in taken]
+                heapq.heapify(self._clean)
+        for p in evict:
+            del self._cached[p]
+            self._unpublish(p)
+        out = clean + evict
+        for p in out:
             self._ref[p] = 1
-            out.append(p)
+        if self.on_allocate is not None:
+            self.on_allocate(out)
         return out
 
     def release(self, pages: Seq[int]) -> None:
         """Drop one reference per page; unreferenced pages stay cached until evicted."""
         for p in reversed(pages):  # the tail is evicted first: it is the least shareable
             self._ref[p] -= 1
-            if self._ref[p] == 0:
-                self._free[p] = None
+            if self._is_free(p):
+                self._free(p)
+
+    def pin(self, pages: Seq[int]) -> None:
+        """A copy reads these pages (a host save): keep them from reuse until `unpin`."""
+        for p in pages:
+            if self._is_free(p):  # take it off the free structures while the copy runs
+                if p in self._cached:
+                    del self._cached[p]
+                else:
+                    self._clean.remove(p)
+                    heapq.heapify(self._clean)
+            self._pins[p] += 1
+
+    def unpin(self, pages: Seq[int]) -> None:
+        for p in reversed(pages):
+            self._pins[p] -= 1
+            if self._is_free(p):
+                self._free(p)
+
+    def _free(self, page: int) -> None:
+        if self._hash_of[page] is None:
+            heapq.heappush(self._clean, page)
+        else:
+            self._cached[page] = None
+
+    def _unpublish(self, page: int) -> None:
+        h = self._hash_of[page]
+        if h is not None:
+            self._hash_of[page] = None
+            if self._page_of.get(h) == page:
+                del self._page_of[h]
 
     def publish(self, page: int, h: int) -> None:
         """Make a computed full page findable by its cumulative hash."""
@@ -118,5 +177,8 @@ class PageManager:
 
     def reset_cache(self) -> None:
         """Forget every published prefix (pages in use keep their KV)."""
+        for p in list(self._cached):
+            heapq.heappush(self._clean, p)
+        self._cached.clear()
         self._page_of.clear()
         self._hash_of = [None] * self.num_pages
