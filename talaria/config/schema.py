@@ -90,6 +90,10 @@ class InstanceConfig:
     max_batch_tokens: int = 512  # tokens per engine step; longer prompts prefill in chunks
     max_running: int = 64  # sequences decoding at once
     threads: int = 0  # torch threads per worker process; 0 = the machine's cores shared by all workers
+    host_kv_bytes: int = 256 << 20  # per rank: host KV registry (HKVR) slabs; 0 turns HKVR off
+    staging_chunk_bytes: int = 1 << 20  # next model's weights staged in KV-pool tails in chunks; 0 = off
+    slot_s: float = 0.5  # cold pools: longest a model keeps the group while another model has work
+    debug_poison: bool = False  # NaN into every released region, freed page and dirtied chunk
 
 
 @dataclass(frozen=True, slots=True)

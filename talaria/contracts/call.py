@@ -70,6 +70,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache, not recomputed
+    restored_tokens: int = 0  # of those, tokens restored from host memory (HKVR) rather than device
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,11 @@ class InstanceStats:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     models: tuple[str, ...] = field(default=())
+    active_model: str | None = None  # the model whose weights are in the arena
+    host_restored_tokens: int = 0  # prompt tokens restored from the host KV registry (HKVR)
+    switches: int = 0  # model switches since start
+    last_switch: dict | None = None  # the last SwitchRecord, as JSON (per-rank phases, path, bytes)
+    substrate: dict = field(default_factory=dict)  # staging target, coverage, slack; HKVR use
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,21 @@ class InstanceReady:
     kv_pages_total: int
     load_s: float
     error: str | None = None  # the engine could not start (bad weights, arena too small, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchModel:
+    """Admin: open `model` on this instance now (a forced switch); answered by SwitchDone."""
+
+    model: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchDone:
+    request_id: str
+    record: dict | None  # the SwitchRecord as JSON; None when the model was already active
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,20 +13,28 @@ from __future__ import annotations
 from collections import deque
 
 from talaria.contracts.call import FinishReason
+from talaria.node.memory.host_kv_registry import HostKVRegistry
 from talaria.node.memory.page_manager import PageManager
 from talaria.node.sequence import Sequence, SeqStatus
-from talaria.node.step_plan import SeqChunk, StepPlan
+from talaria.node.step_plan import SaveOp, SeqChunk, StepPlan
 
 
 class Batcher:
-    def __init__(self, model: str, pages: PageManager, max_batch_tokens: int, max_running: int,
-                 max_context: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: str, pages: PageManager | None, max_batch_tokens: int, max_running: int,
+                 max_context: int, eos_token_ids: tuple[int, ...], host: HostKVRegistry | None = None) -> None:
         self.model = model
-        self.pages = pages
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        # a sequence may grow until its KV fills the whole pool (others preempted), then it must stop
-        self.max_context = min(max_context, pages.num_pages * pages.page_size + 1)
+        self.model_context = max_context
+        self.host = host  # HKVR: finished and preempted KV is saved to host, admissions restore from it
+        self.saves: list[SaveOp] = []  # host checkpoints decided since the last step
+        self.restores: list[tuple[int, int]] = []  # (slab, page) restores decided since the last step
+        self.pinned_pages: dict[int, list[int]] = {}  # ticket -> device pages its D2H copy reads
+        self._restoring: list[int] = []  # host slabs pinned by restores in the current step
+        self.restored_tokens = 0
+        self.pages = pages
+        if pages is not None:
+            self.resume(pages)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the newest is preempted first
@@ -37,6 +45,17 @@ class Batcher:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def resume(self, pages: PageManager) -> None:
+        """The model is active with this (fresh) device KV pool."""
+        self.pages = pages
+        # a sequence may grow until its KV fills the whole pool (others preempted), then it must stop
+        self.max_context = min(self.model_context, pages.num_pages * pages.page_size + 1)
+
+    def suspend(self) -> None:
+        """The model leaves the device: every running sequence is preempted (its KV saved to host)."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
 
     def add(self, seq: Sequence) -> None:
         if self.pages.pages_for(len(seq.token_ids) + 1) > self.pages.num_pages:
@@ -99,18 +118,28 @@ class Batcher:
     def _admit(self, seq: Sequence, now: float) -> bool:
         hashes = self._hash_chain(seq)
         # keep at least one token to compute: the step must produce logits for the next token
-        usable = (len(seq.token_ids) - 1) // self.pages.page_size
-        cached = self.pages.match_prefix(hashes[:usable])
+        usable = hashes[: (len(seq.token_ids) - 1) // self.pages.page_size]
+        cached = self.pages.match_prefix(usable)
         newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
         need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
         if need + newly_referenced > self.pages.num_free:
             return False
         self.pages.acquire(cached)
-        seq.page_table = cached + self.pages.allocate(need)
-        seq.num_computed = len(cached) * self.pages.page_size
+        fresh = self.pages.allocate(need)
+        slabs = self.host.match(self.model, usable)[len(cached):] if self.host is not None else []
+        for i, (slab, page) in enumerate(zip(slabs, fresh)):  # the host holds more of the prefix
+            self.restores.append((slab, page))
+            self.pages.publish(page, usable[len(cached) + i])
+        if slabs:
+            self.host.pin(slabs)
+            self._restoring += slabs
+        seq.page_table = cached + fresh
+        seq.num_computed = (len(cached) + len(slabs)) * self.pages.page_size
         if not seq.admitted_once:
             seq.num_cached = seq.num_computed
             self.prefix_hit_tokens += seq.num_computed
+            seq.num_restored = len(slabs) * self.pages.page_size
+            self.restored_tokens += seq.num_restored
             seq.admitted_once = True
         if seq.first_scheduled is None:
             seq.first_scheduled = now
@@ -118,8 +147,26 @@ class Batcher:
         self.running.append(seq)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Return a sequence's pages; with HKVR, first checkpoint its computed full pages to host."""
+        full = seq.num_computed // self.pages.page_size
+        if self.host is not None and full:
+            ticket = self.host.begin_save(self.model, self._hash_chain(seq)[:full])
+            if ticket is not None:
+                copies = tuple((seq.page_table[e.page_index], e.slab) for e in ticket.entries)
+                self.pages.pin([p for p, _ in copies])  # invariant: not reused until the D2H is done
+                self.pinned_pages[ticket.ticket_id] = [p for p, _ in copies]
+                self.saves.append(SaveOp(ticket.ticket_id, seq.seq_id, copies))
         self.pages.release(seq.page_table)
+
+    def step_done(self) -> None:
+        """The step that carried this batcher's restores ran: the host slabs may move again."""
+        if self._restoring:
+            self.host.unpin(self._restoring)
+            self._restoring = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.page_table = []
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
@@ -165,7 +212,7 @@ class Batcher:
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or cancelled sequence and release its pages (they stay cached)."""
         if seq.status is SeqStatus.RUNNING:
-            self.pages.release(seq.page_table)
+            self._release(seq)
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)

@@ -19,7 +19,8 @@ from multiprocessing.connection import wait
 
 from talaria.config.schema import InstanceConfig
 from talaria.contracts.call import (CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady,
-                                    InstanceStats, Shutdown)
+                                    InstanceStats, Shutdown, SwitchDone, SwitchModel)
+from talaria.node.memory.rank_ledger import TestOnlyFault
 from talaria.models.source import ModelFiles
 from talaria.node.engine.worker import WorkerSpec, worker_main
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
@@ -36,7 +37,9 @@ def _free_port() -> int:
 
 
 class EngineGroup:
-    def __init__(self, config: InstanceConfig, models: list[ModelFiles], threads: int) -> None:
+    def __init__(self, config: InstanceConfig, models: list[ModelFiles], threads: int,
+                 fault: TestOnlyFault | None = None) -> None:
+        """fault: tests only — corrupt one rank's HKVR agreement reports."""
         self.config = config
         self.name = config.name
         self.models = models
@@ -45,7 +48,10 @@ class EngineGroup:
         self.restarts = 0
         self.stats: InstanceStats | None = None
         self.ready: InstanceReady | None = None
+        self.fault = fault
         self._calls: dict[str, asyncio.Queue] = {}
+        self._switches: dict[str, asyncio.Future] = {}
+        self._switch_ids = 0
         self._procs: list[mp.Process] = []
         self._conn = None
         self._generation = 0  # bumped per spawn, so stale threads of a dead group stay quiet
@@ -75,7 +81,8 @@ class EngineGroup:
         parent, child = ctx.Pipe()
         port = _free_port()
         self._procs = [ctx.Process(target=worker_main, name=f"talaria-{self.name}-rank{r}", daemon=True,
-                                   args=(WorkerSpec(self.config, tuple(self.models), r, port, self.threads),
+                                   args=(WorkerSpec(self.config, tuple(self.models), r, port, self.threads,
+                                                    self.fault),
                                          child if r == 0 else None))
                        for r in range(self.config.tp)]
         for p in self._procs:
@@ -132,6 +139,10 @@ class EngineGroup:
                     q.put_nowait(m)
             elif isinstance(m, InstanceStats):
                 self.stats = m
+            elif isinstance(m, SwitchDone):
+                fut = self._switches.pop(m.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(InstanceFailed(m.error)) if m.error else fut.set_result(m.record)
             elif isinstance(m, InstanceReady):
                 self.ready = m
                 self.healthy = m.error is None
@@ -151,6 +162,10 @@ class EngineGroup:
         for q in self._calls.values():
             q.put_nowait(error)
         self._calls.clear()
+        for fut in self._switches.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._switches.clear()
         self._kill()
         self.restarts += 1
         if self.ready is not None and self.ready.error is None:  # it worked before: try again
@@ -159,6 +174,20 @@ class EngineGroup:
             self._ready_event.set()
 
     # ---- calls -----------------------------------------------------------------------------
+
+    async def switch(self, model: str, timeout: float) -> dict | None:
+        """Force a switch to `model`; its SwitchRecord as JSON (None if it was already active)."""
+        if not self.healthy:
+            raise InstanceUnavailable(f"instance {self.name} is not ready")
+        self._switch_ids += 1
+        request_id = f"switch-{self._switch_ids}"
+        fut = self._loop.create_future()
+        self._switches[request_id] = fut
+        self._conn.send(SwitchModel(model, request_id))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._switches.pop(request_id, None)
 
     async def generate(self, call: InstanceCall) -> AsyncIterator[CallOutput]:
         """Stream a call's outputs; closing the iterator early cancels the call on the instance."""

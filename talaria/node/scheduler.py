@@ -1,9 +1,11 @@
-"""The instance scheduler on rank 0: calls in, one StepPlan per step, CallOutputs back.
+"""The instance scheduler on rank 0: calls in, one plan per step, CallOutputs back.
 
-It owns a Batcher per model the instance serves and decides which model steps next: round-robin
-over models with work, so every model progresses. (The cold-pool round scheduler with
-session-prefill replaces this choice with slots and rounds; hot instances keep it.)
-Time comes from an injected clock so tests and the simulator drive it deterministically.
+It owns a Batcher per model the instance serves. One model is active in the arena at a time; the
+active model keeps the group while it has work, for at most `slot_s` while another model waits,
+then the next model with work (round-robin) is opened by a SwitchPlan. A forced switch (the admin
+API) goes first. (The cold-pool round scheduler with session-prefill replaces this choice with
+slots and rounds.) Time comes from an injected clock so tests and the simulator drive it
+deterministically.
 """
 
 from __future__ import annotations
@@ -13,24 +15,34 @@ from itertools import count
 
 from talaria.contracts.call import CallOutput, CallTimings, FinishReason, InstanceCall, InstanceStats, Usage
 from talaria.node.batcher import Batcher
+from talaria.node.memory.host_kv_registry import RankReport
+from talaria.node.memory.planner import MemoryPlanner
 from talaria.node.sequence import Sequence, SeqStatus
-from talaria.node.step_plan import StepPlan
+from talaria.node.step_plan import StepPlan, SwitchPlan
 
 
 class Scheduler:
-    def __init__(self, instance: str, batchers: dict[str, Batcher], clock: Callable[[], float]) -> None:
+    def __init__(self, instance: str, batchers: dict[str, Batcher], clock: Callable[[], float],
+                 memory: MemoryPlanner | None = None, slot_s: float = 0.5) -> None:
         self.instance = instance
         self.batchers = batchers
         self.clock = clock
+        self.memory = memory
+        self.slot_s = slot_s
         self._seqs: dict[int, Sequence] = {}
         self._by_request: dict[str, Sequence] = {}
         self._ids = count()
         self._order = list(batchers)
-        self._next = 0
+        self.active: str | None = None
+        self._slot_start = 0.0
+        self._forced: str | None = None
+        self.switches: list = []  # SwitchRecords, oldest first
 
     @property
     def has_work(self) -> bool:
-        return any(b.has_work for b in self.batchers.values())
+        pending_saves = any(b.saves for b in self.batchers.values())
+        return any(b.has_work for b in self.batchers.values()) or pending_saves or (
+            self.memory is not None and self.memory.busy)
 
     def add(self, call: InstanceCall) -> list[CallOutput]:
         """Queue a call; a call that can never run is answered at once."""
@@ -59,24 +71,71 @@ class Scheduler:
     def call_of(self, seq_id: int) -> InstanceCall:
         return self._seqs[seq_id].call
 
-    def plan(self) -> StepPlan | None:
-        """The next step: the next model (round-robin) that has something to compute."""
-        for i in range(len(self._order)):
-            k = (self._next + i) % len(self._order)
-            plan = self.batchers[self._order[k]].plan(self.clock())
-            if plan is not None:
-                self._next = k + 1
-                return plan
+    def force_switch(self, model: str) -> None:
+        """Open `model` at the next plan, whatever the queues say (admin API, tests)."""
+        if model not in self.batchers:
+            raise KeyError(model)
+        self._forced = model
+
+    def plan(self) -> StepPlan | SwitchPlan | None:
+        """The next thing to run: a switch, or a step of the active model (maybe only memory ops)."""
+        target = self._switch_target()
+        if target is not None:
+            outgoing = self.batchers[self.active] if self.active is not None else None
+            if outgoing is not None:
+                outgoing.suspend()
+            return self.memory.switch_plan(target, outgoing)
+        batcher = self.batchers[self.active]
+        plan = batcher.plan(self.clock())
+        ops = self.memory.ops(batcher) if self.memory is not None else None
+        if plan is None and not ops:
+            return None
+        return StepPlan(self.active, plan.chunks if plan else (), ops)
+
+    def _switch_target(self) -> str | None:
+        forced, self._forced = self._forced, None
+        if forced is not None:
+            return forced if forced != self.active else None
+        if self.active is None:
+            return self._order[0]
+        waiting = [m for m in self._rotation() if self.batchers[m].has_work]
+        if not waiting:
+            return None
+        if not self.batchers[self.active].has_work or self.clock() - self._slot_start >= self.slot_s:
+            return waiting[0]
         return None
 
-    def commit(self, plan: StepPlan, sampled: dict[int, int], step_s: float) -> list[CallOutput]:
+    def _rotation(self) -> list[str]:
+        """The other models, in round-robin order after the active one."""
+        i = self._order.index(self.active) if self.active in self._order else -1
+        return [self._order[(i + k) % len(self._order)] for k in range(1, len(self._order))]
+
+    def switched(self, plan: SwitchPlan, record, reports: list[list[RankReport]]) -> None:
+        """The group opened plan.model: settle the agreed saves, hand the batcher its fresh pool."""
+        if plan.ops.agree:
+            self.memory.agreed(plan.ops.agree, reports)
+        self.active = plan.model
+        self._slot_start = self.clock()
+        self.batchers[plan.model].resume(self.memory.new_pool(plan.model))
+        rotation = self._rotation()
+        self.memory.switched(plan.model, rotation[0] if rotation else None)
+        if record is not None:
+            self.switches.append(record)
+            del self.switches[:-16]
+
+    def commit(self, plan: StepPlan, sampled: dict[int, int], step_s: float,
+               reports: list[list[RankReport]] | None = None) -> list[CallOutput]:
         now = self.clock()
+        batcher = self.batchers[plan.model]
+        batcher.step_done()
+        if plan.ops is not None and plan.ops.agree:
+            self.memory.agreed(plan.ops.agree, reports)
         for chunk in plan.chunks:
             seq = self._seqs.get(chunk.seq_id)
             if seq is not None and seq.first_token_at is None:
                 seq.prefill_s += step_s
         outputs = []
-        for seq in self.batchers[plan.model].commit(plan, sampled, self._seqs):
+        for seq in batcher.commit(plan, sampled, self._seqs):
             if seq.first_token_at is None:
                 seq.first_token_at = now
             seq.last_token_at = now
@@ -88,6 +147,8 @@ class Scheduler:
         seq.num_emitted += len(new)
         if seq.finish is None:
             return CallOutput(seq.call.request_id, new, committed_kv_tokens=seq.num_computed)
+        if self.memory is not None:
+            self.memory.finished(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
         self._by_request.pop(seq.call.request_id, None)
         first = self.clock() if seq.first_token_at is None else seq.first_token_at
@@ -95,7 +156,7 @@ class Scheduler:
         last = first if seq.last_token_at is None else seq.last_token_at
         timings = CallTimings(queued_s=scheduled - seq.arrival, prefill_s=seq.prefill_s,
                               decode_s=last - first, first_token_at=first)
-        usage = Usage(seq.num_prompt, seq.num_generated, seq.num_cached)
+        usage = Usage(seq.num_prompt, seq.num_generated, seq.num_cached, seq.num_restored)
         return CallOutput(seq.call.request_id, new, seq.finish, usage, seq.num_computed, timings)
 
     def _error(self, request_id: str, message: str) -> CallOutput:
@@ -103,13 +164,20 @@ class Scheduler:
 
     def stats(self) -> InstanceStats:
         bs = self.batchers.values()
+        pool = self.batchers[self.active].pages if self.active is not None else None
+        last = self.switches[-1].to_dict() if self.switches else None
         return InstanceStats(
             instance=self.instance,
             waiting=sum(len(b.waiting) for b in bs),
             running=sum(len(b.running) for b in bs),
-            kv_pages_used=sum(b.pages.num_used for b in bs),
-            kv_pages_total=sum(b.pages.num_pages for b in bs),
+            kv_pages_used=pool.num_used if pool else 0,
+            kv_pages_total=pool.num_pages if pool else 0,
             preemptions=sum(b.preemptions for b in bs),
             prefix_hit_tokens=sum(b.prefix_hit_tokens for b in bs),
             models=tuple(self.batchers),
+            active_model=self.active,
+            host_restored_tokens=sum(b.restored_tokens for b in bs),
+            switches=len(self.switches),
+            last_switch=last,
+            substrate=self.memory.telemetry() if self.memory is not None else {},
         )

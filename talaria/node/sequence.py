@@ -27,6 +27,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the page table
     page_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission only)
+    num_restored: int = 0  # of those, restored from the host KV registry
     num_emitted: int = 0  # generated tokens already sent to the gateway
     finish: FinishReason | None = None
     first_scheduled: float | None = None

@@ -27,6 +27,7 @@ class SeqChunk:
 class StepPlan:
     model: str
     chunks: tuple[SeqChunk, ...]
+    ops: MemoryOps | None = None  # data movement riding on this step (None: nothing to move)
 
     @property
     def num_tokens(self) -> int:
@@ -36,3 +37,38 @@ class StepPlan:
 @dataclass(frozen=True, slots=True)
 class StopPlan:
     """Broadcast by rank 0 to end the worker loops cleanly."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveOp:
+    """Checkpoint a sequence's computed pages to host slabs (HKVR), beside serving."""
+
+    ticket: int  # the registry ticket these copies fill
+    seq_id: int  # whose KV: every rank reports its own committed prefix of it for the agreement
+    copies: tuple[tuple[int, int], ...]  # (device page, host slab)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryOps:
+    """Data movement riding on a step, in the order every rank performs it."""
+
+    staged: bool = False  # the previous staging copy finished on rank 0: finish it here too
+    poison: tuple[int, ...] = ()  # pages freed, evicted or dirtied: NaN them (poison mode)
+    restores: tuple[tuple[int, int], ...] = ()  # (host slab, device page), before the forward
+    saves: tuple[SaveOp, ...] = ()  # device -> host, asynchronous
+    agree: tuple[tuple[int, int], ...] = ()  # (ticket, seq_id): copies done on rank 0; every rank reports
+    stage: tuple[str, int, int, int, int] | None = None  # (model, src0, src1, dst0, dst1): image -> arena
+    forget: tuple[int, ...] = ()  # sequences no rank needs to remember any more
+
+    def __bool__(self) -> bool:
+        return bool(self.staged or self.poison or self.restores or self.saves or self.agree or self.stage
+                    or self.forget)
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchPlan:
+    """Open another model in the arena (cold instances), after the given memory ops."""
+
+    model: str
+    gather: object  # talaria.node.memory.stager.GatherPlan: D2D for clean staged chunks, H2D for the rest
+    ops: MemoryOps = MemoryOps()

@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from talaria.contracts.call import InstanceCall
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.router.admin import install_admin_routes
 from talaria.router.errors import (
     AUTHENTICATION,
     INVALID_REQUEST,
@@ -73,6 +74,7 @@ def create_app(
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", gateway.chat, methods=["POST"])
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
+    install_admin_routes(app, gateway, _read_json)
     _install_error_handlers(app)
     return app
 
@@ -103,7 +105,7 @@ class Gateway:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
+        self.authorize(request)
         data = [{"id": name, "object": "model", "created": self._started, "owned_by": "talaria",
                  "max_model_len": self.supervisor.arch(name).max_position}
                 for name in self.supervisor.model_names()]
@@ -119,7 +121,7 @@ class Gateway:
         arrival, arrival_wall = self._clock(), self._wall_clock()
         request_id = f"{'chatcmpl' if endpoint is Endpoint.CHAT else 'cmpl'}-{self._new_id()}"
         request.state.request_id = request_id
-        self._authorize(request)
+        self.authorize(request)
         body = await _read_json(request, self.config.server.max_body_bytes)
         parsed = await anyio.to_thread.run_sync(  # tokenizing a 100K-token prompt must not stall the loop
             parse_request, endpoint, body, self.supervisor, request.headers.get("x-session-id"))
@@ -190,7 +192,7 @@ class Gateway:
                                   gen.usage)
         self.policy.complete(parsed.model, parsed.session_id, gen.group.name)
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         key = self.config.server.api_key
         if key is None:
             return

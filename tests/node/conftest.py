@@ -50,6 +50,13 @@ def engine(files: list[ModelFiles], **overrides) -> EngineCore:
     return EngineCore(instance(files, **overrides), files, TPGroup(0, 1))
 
 
+def arena_for_pages(files: ModelFiles, pages: int, **overrides) -> int:
+    """arena_bytes that leaves exactly `pages` KV pages for this model (plus the null page)."""
+    plan = engine([files], **overrides).substrate.layout.plan(files.name)
+    size = plan.weights.end + (pages + 1) * plan.page_bytes + plan.runtime.size
+    return -(-size // 256) * 256 + 256
+
+
 def call(request_id: str, model: str, prompt, sampling: SamplingParams = GREEDY) -> InstanceCall:
     return InstanceCall(request_id, model, tuple(prompt), sampling)
 

@@ -1,8 +1,9 @@
-"""One rank of an engine group: arena, model runners and, on rank 0, the scheduler and sampler.
+"""One rank of an engine group: the memory substrate and, on rank 0, the scheduler and sampler.
 
-Rank 0 calls `step()`: plan, broadcast the plan, run it, sample, commit. Other ranks call `follow()`
-in a loop: receive the plan, run the same forward on their shard. TP=1 needs no broadcast, so tests
-and benchmarks drive an EngineCore in-process with exactly the code a worker process runs.
+Rank 0 calls `step()`: plan, broadcast the plan, run it (memory ops, forward, host-save agreement,
+staging), sample, commit. Other ranks call `follow()` in a loop: receive the plan, do the same on
+their shard. TP=1 needs no broadcast, so tests and benchmarks drive an EngineCore in-process with
+exactly the code a worker process runs.
 """
 
 from __future__ import annotations
@@ -10,47 +11,62 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from talaria.config.schema import InstanceConfig
 from talaria.contracts.call import CallOutput, InstanceCall, InstanceStats
 from talaria.models.source import ModelFiles
 from talaria.node.batcher import Batcher
-from talaria.node.engine.arena import ALIGN, Arena
+from talaria.node.engine.arena import ALIGN
 from talaria.node.engine.parallel import TPGroup
-from talaria.node.engine.runner import ModelRunner
+from talaria.node.engine.runner import run_step
 from talaria.node.engine.sampler import Sampler
+from talaria.node.engine.substrate import Substrate
+from talaria.node.memory.host_kv_registry import HostKVRegistry, RankReport
 from talaria.node.memory.page_manager import PageManager
+from talaria.node.memory.planner import MemoryPlanner, full_h2d
+from talaria.node.memory.rank_ledger import RankLedger, TestOnlyFault
+from talaria.node.memory.stager import Stager
+from talaria.node.memory.switch_record import SwitchRecord
 from talaria.node.scheduler import Scheduler
-from talaria.node.step_plan import StopPlan
-
-MIN_PAGES = 4
+from talaria.node.step_plan import MemoryOps, StepPlan, StopPlan, SwitchPlan
 
 
 class EngineCore:
     def __init__(self, instance: InstanceConfig, models: list[ModelFiles], group: TPGroup,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, fault: TestOnlyFault | None = None) -> None:
         self.instance = instance
         self.group = group
-        self.arena = Arena(instance.arena_bytes, instance.device.value)
-        self.runners = {m.name: ModelRunner(m, self.arena, group) for m in models}
-        # the KV pools share what the weights left, equally by bytes (the memory substrate refines this)
-        share = self.arena.free_bytes // len(models)
-        self.pages = {}
-        for name, runner in self.runners.items():
-            n = (share - ALIGN) // runner.page_bytes(instance.page_size) - 1  # the null page, alignment slack
-            if n < MIN_PAGES:
-                raise MemoryError(f"instance {instance.name}: arena_bytes = {instance.arena_bytes} leaves room "
-                                  f"for {max(n, 0)} KV pages of model {name!r}; raise arena_bytes")
-            runner.bind_kv(self.arena, n, instance.page_size)
-            self.pages[name] = n
+        self.clock = clock
+        self.substrate = sub = Substrate(instance, models, group)
+        for m in models:  # every model must fit the arena: fail at start, not at its first switch
+            sub.layout.plan(m.name)
+        self.ledger = RankLedger(group.rank, instance.page_size, fault)
         self.scheduler: Scheduler | None = None
         self.sampler: Sampler | None = None
+        first = models[0].name
         if group.rank == 0:
-            batchers = {m.name: Batcher(m.name, PageManager(self.pages[m.name], instance.page_size),
-                                        instance.max_batch_tokens, instance.max_running,
-                                        m.arch.max_position, m.arch.eos_token_ids) for m in models}
-            self.scheduler = Scheduler(instance.name, batchers, clock)
+            ps = instance.page_size
+            host = HostKVRegistry(sub.num_slabs, sub.slab_bytes) if sub.num_slabs else None
+            stager = Stager(instance.staging_chunk_bytes, ALIGN) if instance.staging_chunk_bytes and len(models) > 1 \
+                else None
+            memory = MemoryPlanner(sub.layout, {n: img.nbytes for n, img in sub.images.items()}, ps, host, stager,
+                                   instance.debug_poison, sub.save_done, sub.staging_done, sub.wait_save,
+                                   sub.wait_staging)
+            batchers = {m.name: Batcher(m.name, PageManager(sub.layout.plan(m.name).num_pages, ps),
+                                        instance.max_batch_tokens, instance.max_running, m.arch.max_position,
+                                        m.arch.eos_token_ids, host) for m in models}
+            self.scheduler = Scheduler(instance.name, batchers, clock, memory, instance.slot_s)
             self.sampler = Sampler()
-        self.clock = clock
+        opening = SwitchPlan(first, full_h2d(sub.images[first].nbytes))
+        sub.activate(first, opening.gather, lambda: None)
+        if self.scheduler is not None:
+            self.scheduler.switched(opening, None, [])
+
+    @property
+    def pages(self) -> int:
+        """KV pages of the active model's pool."""
+        return self.substrate.plan.num_pages
 
     # ---- rank 0 ----------------------------------------------------------------------------
 
@@ -70,14 +86,18 @@ class EngineCore:
             return []
         t0 = time.perf_counter()
         self.group.broadcast_object(plan)
-        logits = self.runners[plan.model].execute(plan)
+        if isinstance(plan, SwitchPlan):
+            record, reports = self._switch(plan)
+            self.scheduler.switched(plan, record, reports)
+            return []
+        logits, reports = self._run(plan)
         sampled: dict[int, int] = {}
         if logits is not None:
             chunks = [c for c in plan.chunks if c.sample]
             calls = [self.scheduler.call_of(c.seq_id) for c in chunks]
             tokens = self.sampler.sample(logits, [(c.request_id, c.sampling) for c in calls])
             sampled = {c.seq_id: t for c, t in zip(chunks, tokens)}
-        return self._forget_finished(self.scheduler.commit(plan, sampled, time.perf_counter() - t0))
+        return self._forget_finished(self.scheduler.commit(plan, sampled, time.perf_counter() - t0, reports))
 
     def stop(self) -> None:
         self.group.broadcast_object(StopPlan())
@@ -91,12 +111,51 @@ class EngineCore:
                 self.sampler.forget(out.request_id)
         return outputs
 
-    # ---- ranks > 0 -------------------------------------------------------------------------
+    # ---- every rank ------------------------------------------------------------------------
 
     def follow(self) -> bool:
         """Run the next plan rank 0 broadcasts; False when it says stop."""
         plan = self.group.broadcast_object()
         if isinstance(plan, StopPlan):
             return False
-        self.runners[plan.model].execute(plan)
+        if isinstance(plan, SwitchPlan):
+            self._switch(plan)
+        else:
+            self._run(plan)
         return True
+
+    def _run(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[list[RankReport]] | None]:
+        ops = plan.ops or MemoryOps()
+        sub = self.substrate
+        sub.before_step(ops)
+        for c in plan.chunks:
+            self.ledger.record(c.seq_id, c.start_pos, c.token_ids)
+        logits = run_step(sub.model, sub.kv, plan) if plan.chunks else None
+        reports = self._agree(ops.agree)
+        if ops.stage is not None:
+            model, src0, src1, dst0, dst1 = ops.stage
+            sub.start_staging(model, (src0, src1), (dst0, dst1))
+        for seq_id in ops.forget:
+            self.ledger.forget(seq_id)
+        return logits, reports
+
+    def _agree(self, agree: tuple[tuple[int, int], ...]) -> list[list[RankReport]] | None:
+        """Every rank reports, from its own ledger, what it holds of each saved prefix (App. B)."""
+        if not agree:
+            return None
+        mine = []
+        for ticket, seq_id in agree:
+            self.substrate.wait_save(ticket)
+            mine.append(self.ledger.report(seq_id))
+        return self.group.gather_objects(mine)
+
+    def _switch(self, plan: SwitchPlan) -> tuple[SwitchRecord | None, list[list[RankReport]] | None]:
+        reports = None
+
+        def teardown() -> None:
+            nonlocal reports
+            self.substrate.before_step(MemoryOps(saves=plan.ops.saves))
+            reports = self._agree(plan.ops.agree)
+        record = self.substrate.activate(plan.model, plan.gather, teardown)
+        records = self.group.gather_objects(record)
+        return (SwitchRecord(tuple(records)) if records else None), reports

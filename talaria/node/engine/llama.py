@@ -32,13 +32,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class LlamaModel:
     def __init__(self, arch: ModelArch, shard: Shard, weights: ModelWeights, group: TPGroup,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """rope: where to keep the cos/sin tables (views in the arena's runtime region), if anywhere."""
         self.arch = arch
         self.shard = shard
         self.w = weights
         self.group = group
         self.scale = 1.0 / math.sqrt(arch.head_dim)
-        self.cos, self.sin = rope_cos_sin(arch, dtype, weights.embed.device)  # (max_pos, hd)
+        cos, sin = rope_cos_sin(arch, dtype, weights.embed.device)  # (max_pos, hd)
+        if rope is not None:
+            cos, sin = rope[0].copy_(cos), rope[1].copy_(sin)
+        self.cos, self.sin = cos, sin
         v0, v1 = shard.vocab_range
         self.vocab_start, self.vocab_end = v0, v1
 

@@ -76,6 +76,14 @@ class TPGroup:
         dist.gather(x.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    def gather_objects(self, obj: object) -> list | None:
+        """Every rank's `obj` as a list on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def broadcast_object(self, obj: object = None) -> object:
         if self.size == 1:
             return obj

@@ -17,8 +17,10 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from talaria.config.schema import Device, InstanceConfig
-from talaria.contracts.call import CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady, Shutdown
+from talaria.contracts.call import (CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady, Shutdown,
+                                    SwitchDone, SwitchModel)
 from talaria.models.source import ModelFiles
+from talaria.node.memory.rank_ledger import TestOnlyFault
 
 STATS_EVERY_S = 0.25
 IDLE_POLL_S = 0.5
@@ -31,6 +33,7 @@ class WorkerSpec:
     rank: int
     master_port: int
     threads: int
+    fault: TestOnlyFault | None = None  # tests only: corrupt one rank's HKVR agreement reports
 
 
 def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
@@ -52,7 +55,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                                 rank=spec.rank, world_size=tp, timeout=timedelta(days=7))
     t0 = time.monotonic()
     try:
-        core = EngineCore(spec.instance, list(spec.models), TPGroup(spec.rank, tp))
+        core = EngineCore(spec.instance, list(spec.models), TPGroup(spec.rank, tp), fault=spec.fault)
     except Exception as e:
         if conn is not None:
             conn.send([InstanceReady(spec.instance.name, (), 0, 0.0, error=f"{type(e).__name__}: {e}")])
@@ -61,9 +64,31 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         while core.follow():
             pass
         return
-    conn.send([InstanceReady(spec.instance.name, tuple(core.runners), sum(core.pages.values()),
+    conn.send([InstanceReady(spec.instance.name, tuple(m.name for m in spec.models), core.pages,
                              time.monotonic() - t0)])
     _serve(core, conn)
+
+
+def _force_switch(core, msg: SwitchModel, waiting: list) -> list:
+    sched = core.scheduler
+    if msg.model not in sched.batchers:
+        return [SwitchDone(msg.request_id, None, f"instance {core.instance.name} does not serve {msg.model!r}")]
+    if sched.active == msg.model:
+        return [SwitchDone(msg.request_id, None)]
+    sched.force_switch(msg.model)
+    waiting.append((msg, len(sched.switches)))
+    return []
+
+
+def _switched(core, waiting: list) -> list:
+    """Answer admin switches whose switch has happened."""
+    sched, done = core.scheduler, []
+    for item in list(waiting):
+        msg, mark = item
+        if len(sched.switches) > mark and sched.active == msg.model:
+            done.append(SwitchDone(msg.request_id, sched.switches[-1].to_dict()))
+            waiting.remove(item)
+    return done
 
 
 def _die_with_parent() -> None:
@@ -80,6 +105,7 @@ def _serve(core, conn: Connection) -> None:
     """Rank 0's loop: messages in, steps, outputs out."""
     last_stats = 0.0
     in_flight: set[str] = set()
+    switches: list[tuple[SwitchModel, int]] = []  # admin switches waiting for their record
     try:
         while True:
             out: list = []
@@ -92,11 +118,14 @@ def _serve(core, conn: Connection) -> None:
                     out += core.add(msg)
                 elif isinstance(msg, CancelCall):
                     out += core.cancel(msg.request_id)
+                elif isinstance(msg, SwitchModel):
+                    out += _force_switch(core, msg, switches)
                 elif isinstance(msg, Shutdown):
                     core.stop()
                     return
-            if core.has_work:
+            if core.has_work or switches:
                 out += core.step()
+            out += _switched(core, switches)
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 out.append(core.stats())

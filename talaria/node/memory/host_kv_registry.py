@@ -152,6 +152,10 @@ class HostKVRegistry:
         """Saves of `model` still in flight: what a switch away from it must drain first."""
         return tuple(t for t in self._tickets.values() if t.model == model)
 
+    def ticket(self, ticket_id: int) -> SaveTicket:
+        """The in-flight ticket with this id (plans carry ids across processes)."""
+        return self._tickets[ticket_id]
+
     def stats(self) -> RegistryStats:
         return RegistryStats(
             num_slabs=self.num_slabs, used=len(self._slab_of), pinned=self._num_pinned,

@@ -76,6 +76,10 @@ class PageManager:
         """Unreferenced and unpinned (it may still cache a prefix)."""
         return self._is_free(page)
 
+    def is_cached(self, page: int) -> bool:
+        """The page holds a published prefix (whether or not anyone references it)."""
+        return self._hash_of[page] is not None
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

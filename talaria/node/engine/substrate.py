@@ -1,0 +1,175 @@
+"""One rank's memory substrate: the bump-laid arena, host weight images, HKVR slabs, staging.
+
+Every model the instance may serve keeps its weights on the host in the byte layout its device
+weights region uses (pinned where CUDA), so opening a model copies byte ranges and rebinds
+parameter views; nothing is rebuilt from the checkpoint. The arena holds one active model: weights
+from offset 0, its page-major KV pool in the gap, per-model runtime state (RoPE tables) anchored
+at the top. Bookkeeping lives in talaria/node/memory (BumpLayout, Stager, HostKVRegistry); this
+class moves the bytes, on every rank alike, as rank 0's plans say.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from talaria.config.schema import InstanceConfig
+from talaria.models.source import ModelFiles
+from talaria.node.engine.arena import ALIGN, Arena, align_up
+from talaria.node.engine.kv_cache import KVCache
+from talaria.node.engine.llama import LlamaModel
+from talaria.node.engine.parallel import Shard, TPGroup
+from talaria.node.engine.weights import load_weights, rebind, weights_nbytes
+from talaria.node.memory.bump_layout import Bases, BumpLayout, LayoutPlan
+from talaria.node.memory.stager import GatherPlan
+from talaria.node.memory.switch_record import RankSwitchRecord
+from talaria.node.step_plan import MemoryOps
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelImage:
+    """A model's weight shard on the host, byte-identical to its device weights region."""
+
+    def __init__(self, files: ModelFiles, group: TPGroup, page_size: int, pin: bool) -> None:
+        self.files = files
+        self.dtype = DTYPES[files.dtype]
+        self.shard = Shard(group.rank, group.size, files.arch)
+        self.host = Arena(weights_nbytes(self.shard, self.dtype), "cpu", pin=pin)
+        self.weights = load_weights(files.directory, self.shard, self.host, self.dtype)
+        self.nbytes = self.host.used_low
+        self.page_shape = KVCache.page_shape(self.shard, page_size)
+        self.page_bytes = KVCache.page_bytes(self.shard, page_size, self.dtype)
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        self.rope_bytes = align_up(files.arch.max_position * files.arch.head_dim * item)
+        self.runtime_bytes = 2 * self.rope_bytes  # cos and sin tables
+
+
+class Substrate:
+    def __init__(self, instance: InstanceConfig, models: list[ModelFiles], group: TPGroup) -> None:
+        self.instance = instance
+        self.group = group
+        cuda = instance.device.value == "cuda"
+        self.images = {m.name: ModelImage(m, group, instance.page_size, pin=cuda) for m in models}
+        self.arena = Arena(instance.arena_bytes, instance.device.value)
+        # runtime region: each model's RoPE tables at a fixed offset, so they never move
+        runtime = sum(img.runtime_bytes for img in self.images.values())
+        self.layout = BumpLayout(instance.arena_bytes, runtime, ALIGN)
+        self._rope_at: dict[str, int] = {}
+        offset = self.arena.nbytes - runtime
+        for name, img in self.images.items():
+            self.layout.register(name, img.nbytes, img.page_bytes)
+            self._rope_at[name] = offset
+            offset += img.runtime_bytes
+        self.slab_bytes = max(img.page_bytes for img in self.images.values())
+        self.num_slabs = instance.host_kv_bytes // self.slab_bytes
+        self.slabs = Arena(max(1, self.num_slabs) * self.slab_bytes, "cpu", pin=cuda).bytes(
+            0, max(1, self.num_slabs) * self.slab_bytes).view(-1, self.slab_bytes)
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy")  # D2H and staging beside serving
+        self.poison = instance.debug_poison
+        self.active: str | None = None
+        self.plan: LayoutPlan | None = None
+        self.model: LlamaModel | None = None
+        self.kv: KVCache | None = None
+        self._models: dict[str, tuple[LlamaModel, Bases]] = {}  # cached runtime state per model
+        self.rebuilds = 0  # runtime state rebuilt because its addresses moved (the pointer check)
+        self._saves: dict[int, Future] = {}  # ticket -> D2H copy in flight
+        self._staging: Future | None = None
+
+    # ---- memory ops riding on a step -------------------------------------------------------
+
+    def before_step(self, ops: MemoryOps) -> None:
+        if ops.staged and self._staging is not None:
+            self._staging.result()
+            self._staging = None
+        if self.poison and ops.poison:
+            self.kv.data.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), float("nan"))
+        if ops.restores:
+            pb = self.images[self.active].page_bytes
+            for slab, page in ops.restores:
+                self.kv.page_bytes_view(page).copy_(self.slabs[slab, :pb], non_blocking=True)
+            self._sync()
+        for save in ops.saves:
+            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv, save.copies,
+                                                          self.images[self.active].page_bytes)
+
+    def _copy_out(self, kv: KVCache, copies: tuple[tuple[int, int], ...], pb: int) -> None:
+        for page, slab in copies:
+            self.slabs[slab, :pb].copy_(kv.page_bytes_view(page))
+        self._sync()
+
+    def wait_save(self, ticket: int) -> None:
+        """Block until this rank's D2H copies of the ticket are done (before reporting on it)."""
+        fut = self._saves.pop(ticket, None)
+        if fut is not None:
+            fut.result()
+
+    def save_done(self, ticket: int) -> bool:
+        fut = self._saves.get(ticket)
+        return fut is None or fut.done()
+
+    def start_staging(self, model: str, src: tuple[int, int], dst: tuple[int, int]) -> None:
+        """Copy a chunk of the next model's host image into the KV-pool tail, beside serving."""
+        image = self.images[model]
+        self._staging = self.copier.submit(
+            lambda: (self.arena.bytes(*dst).copy_(image.host.bytes(*src)), self._sync()))
+
+    def wait_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.result()
+
+    def staging_done(self) -> bool:
+        return self._staging is None or self._staging.done()
+
+    # ---- switching -------------------------------------------------------------------------
+
+    def activate(self, name: str, gather: GatherPlan, teardown: Callable[[], None]) -> RankSwitchRecord:
+        """Switch the arena to `name` in the paper's five timed phases (App. D).
+
+        `teardown` drains the outgoing model's host saves and settles their agreement: it is phase 1.
+        """
+        marks = [time.perf_counter()]
+        outgoing = self.active
+        teardown()  # 1: drain the outgoing D2H, then release its KV region and runtime references
+        self.kv = self.model = None
+        marks.append(time.perf_counter())
+        image = self.images[name]  # 2: open weights: D2D for clean staged chunks, H2D for the rest
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+        for src, dst in gather.d2d:  # invariant: staged sources lie above the new weights, never clobbered
+            self.arena.bytes(dst.start, dst.end).copy_(self.arena.bytes(src.start, src.end))
+        for src, dst in gather.h2d:
+            self.arena.bytes(dst.start, dst.end).copy_(image.host.bytes(src.start, src.end))
+        self._sync()
+        marks.append(time.perf_counter())
+        plan = self.layout.activate(name)  # 3: the KV shell in the gap
+        data = self.arena.view_at(plan.kv.start, (plan.num_pages + 1, *image.page_shape), image.dtype)
+        if self.poison:
+            self.arena.bytes(plan.kv.start, plan.kv.end).view(torch.uint8).fill_(0xFF)  # NaN in any float
+        self.kv = KVCache(data, self.instance.page_size)
+        marks.append(time.perf_counter())
+        bases = self.layout.bases(name)  # 4: runtime state, rebuilt only if its addresses moved
+        cached = self._models.get(name)
+        rebuilt = cached is not None and (cached[1].weights, cached[1].runtime) != (bases.weights, bases.runtime)
+        if cached is None or rebuilt:
+            weights = rebind(image.weights, image.host, self.arena)
+            arch, at = image.files.arch, self._rope_at[name]
+            rope = tuple(self.arena.view_at(at + i * image.rope_bytes, (arch.max_position, arch.head_dim), image.dtype)
+                         for i in range(2))
+            cached = (LlamaModel(arch, image.shard, weights, self.group, image.dtype, rope), bases)
+            self._models[name] = cached
+            self.rebuilds += rebuilt
+        marks.append(time.perf_counter())
+        self.model, self.active, self.plan = cached[0], name, plan  # 5: publish
+        marks.append(time.perf_counter())
+        phases = tuple((b - a) * 1e3 for a, b in zip(marks, marks[1:]))
+        return RankSwitchRecord(self.group.rank, outgoing, name, gather.path, phases, gather.staged_bytes,
+                                gather.dirty_bytes, gather.total_bytes, rebuilt_runtime=rebuilt)
+
+    def _sync(self) -> None:
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)

@@ -1,0 +1,58 @@
+"""Operator endpoints beside the OpenAI API: instance telemetry and forced model switches.
+
+`GET /talaria/telemetry` returns each instance's latest snapshot (InstanceStats as JSON: queues,
+KV pages, active model, switches, the substrate's staging and host-KV state). `POST
+/talaria/admin/switch` with `{"instance": NAME, "model": NAME}` opens that model on that instance
+now and answers with the switch record (per-rank phase times, path, staged and dirty bytes).
+Both need the API key when one is configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
+
+from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.router.errors import INVALID_REQUEST, NOT_FOUND, UNAVAILABLE, APIError
+
+if TYPE_CHECKING:
+    from talaria.router.gateway import Gateway
+
+SWITCH_TIMEOUT_S = 120.0
+
+
+def install_admin_routes(app: FastAPI, gateway: Gateway, read_json) -> None:
+    supervisor = gateway.supervisor
+
+    async def telemetry(request: Request) -> JSONResponse:
+        gateway.authorize(request)
+        instances = {g.name: {"healthy": g.healthy, "in_flight": g.in_flight,
+                              "stats": asdict(g.stats) if g.stats is not None else None}
+                     for g in supervisor.groups}
+        return JSONResponse({"instances": instances})
+
+    async def switch(request: Request) -> JSONResponse:
+        gateway.authorize(request)
+        body = await read_json(request, gateway.config.server.max_body_bytes)
+        if not isinstance(body, dict) or not isinstance(body.get("instance"), str) \
+                or not isinstance(body.get("model"), str):
+            raise APIError.invalid('body must be {"instance": NAME, "model": NAME}', "instance")
+        group = next((g for g in supervisor.groups if g.name == body["instance"]), None)
+        if group is None:
+            raise APIError(404, f"no instance named {body['instance']!r}", NOT_FOUND, "instance",
+                           "instance_not_found")
+        if body["model"] not in group.config.models:
+            raise APIError(400, f"instance {group.name!r} does not serve {body['model']!r}; it serves "
+                           f"{', '.join(group.config.models)}", INVALID_REQUEST, "model", "model_not_served")
+        try:
+            record = await group.switch(body["model"], SWITCH_TIMEOUT_S)
+        except (InstanceFailed, InstanceUnavailable, TimeoutError) as e:
+            raise APIError(503, str(e) or "the switch did not finish in time", UNAVAILABLE, None,
+                           "switch_failed", {"Retry-After": "2"}) from None
+        return JSONResponse({"instance": group.name, "model": body["model"], "switch": record})
+
+    app.add_api_route("/talaria/telemetry", telemetry, methods=["GET"])
+    app.add_api_route("/talaria/admin/switch", switch, methods=["POST"])

@@ -1,0 +1,85 @@
+"""The paper's validation protocol (App. B) with poison mode on: sessions on three models of one
+cold instance, continued after forced switches. Every continuation is restored from the host KV
+registry (asserted: a host hit, not a recompute) and yields the tokens of an uninterrupted
+single-model run of the plain reference, at TP=1 in-process and TP=2 over gloo."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from talaria.config.schema import Pool
+from talaria.contracts.call import InstanceCall
+from talaria.node.group import EngineGroup
+from tests.node.conftest import GREEDY, engine, instance, run, tiny_files, tokens
+from tests.node.reference import ReferenceLlama
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+SUBSTRATE = dict(pool=Pool.COLD, page_size=4, debug_poison=True, staging_chunk_bytes=4096,
+                 host_kv_bytes=8 << 20, slot_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def three(model_cache):
+    files = [tiny_files(f, model_cache) for f in FAMILIES]
+    return files, {f.name: ReferenceLlama(f.directory) for f in files}
+
+
+def sessions(files, seed: int = 0) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f.name: [rng.randrange(256) for _ in range(rng.randrange(18, 40))] for f in files}
+
+
+def test_switches_restore_every_session_from_host_tp1(three):
+    files, refs = three
+    core = engine(files, **SUBSTRATE)
+    prompts = sessions(files)
+    turn1 = {}
+    for f in files:  # turn 1 of each session, each on its own model: a switch before every model
+        core.scheduler.force_switch(f.name)
+        turn1[f.name] = run(core, [InstanceCall(f"{f.name}-1", f.name, tuple(prompts[f.name]), GREEDY)])
+    assert core.stats().switches == len(files) - 1  # the first model was open from the start
+    for f in files:  # the tool gap is over: each session returns while another model holds the arena
+        cont = prompts[f.name] + tokens(turn1[f.name][f"{f.name}-1"]) + [1, 2, 3]
+        core.scheduler.force_switch(f.name)
+        out = run(core, [InstanceCall(f"{f.name}-2", f.name, tuple(cont), GREEDY)])[f"{f.name}-2"]
+        usage = out[-1].usage
+        committed = len(prompts[f.name]) + GREEDY.max_tokens - 1  # the last sampled token has no KV
+        assert usage.restored_tokens == committed // 4 * 4, "the continuation must come from host memory"
+        assert usage.cached_tokens == usage.restored_tokens
+        assert tokens(out) == refs[f.name].greedy(cont, GREEDY.max_tokens), f.name
+    last = core.stats().last_switch
+    assert last["path"] in ("full_d2d", "partial", "h2d_only") and len(last["ranks"]) == 1
+
+
+def test_switches_restore_every_session_from_host_tp2(three):
+    files, refs = three
+    prompts = sessions(files, seed=1)
+
+    async def scenario():
+        group = EngineGroup(instance(files, tp=2, **SUBSTRATE), files, threads=1)
+        await group.start()
+        try:
+            async def call(f, rid, prompt):
+                outs = [o async for o in group.generate(InstanceCall(rid, f.name, tuple(prompt), GREEDY))]
+                return [t for o in outs for t in o.token_ids], outs[-1].usage
+            first = {}
+            for f in files:
+                await group.switch(f.name, 60)
+                first[f.name] = (await call(f, f"{f.name}-1", prompts[f.name]))[0]
+            results = {}
+            for f in files:
+                record = await group.switch(f.name, 60)
+                assert record is not None and len(record["ranks"]) == 2
+                cont = prompts[f.name] + first[f.name] + [4, 5]
+                results[f.name] = (cont, *await call(f, f"{f.name}-2", cont))
+            return results
+        finally:
+            await group.stop()
+
+    for name, (cont, toks, usage) in asyncio.run(scenario()).items():
+        committed = len(cont) - 2 - 1
+        assert usage.restored_tokens == committed // 4 * 4, name
+        assert toks == refs[name].greedy(cont, GREEDY.max_tokens), name
