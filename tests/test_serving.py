@@ -169,3 +169,39 @@ def test_metrics_expose_latency_histograms_and_load_gauges(client, server):
         assert after[("talaria_num_requests_running", only)] >= 0
         assert after[("talaria_kv_pages_total", only)] > 0
         assert 0 <= after[("talaria_kv_usage_ratio", only)] <= 1
+
+
+# ---- operator endpoints: telemetry and forced switches ----------------------------------------
+
+def _cold_stats(server) -> dict:
+    return httpx.get(server.base_url + "/talaria/telemetry", timeout=10).json()["instances"]["cold-0"]["stats"]
+
+
+def test_admin_switch_answers_with_the_switch_record_and_telemetry_follows(server):
+    stats = wait_for(lambda: _cold_stats(server), 10, "cold-0 telemetry")
+    other = next(m for m in stats["models"] if m != stats["active_model"])
+    resp = httpx.post(server.base_url + "/talaria/admin/switch", json={"instance": "cold-0", "model": other},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    record = resp.json()["switch"]
+    assert record["to_model"] == other and record["path"] in ("full_d2d", "partial", "h2d_only")
+    assert len(record["ranks"]) == 2  # cold-0 is a TP=2 group: one record per rank
+    assert list(record["ranks"][0]["phase_ms"]) == ["save_teardown", "open_weights", "kv_shell", "runtime",
+                                                    "publish"]
+    assert record["total_ms"] == max(sum(r["phase_ms"].values()) for r in record["ranks"])
+    after = wait_for(lambda: (s := _cold_stats(server))["active_model"] == other and s, 10, "telemetry update")
+    assert after["switches"] > stats["switches"] and after["last_switch"]["to_model"] == other
+    again = httpx.post(server.base_url + "/talaria/admin/switch", json={"instance": "cold-0", "model": other},
+                       timeout=60)
+    assert again.status_code == 200 and again.json()["switch"] is None  # already active: nothing to do
+
+
+@pytest.mark.parametrize("body,status,code", [
+    ({"instance": "nope", "model": "tiny-llama"}, 404, "instance_not_found"),
+    ({"instance": "cold-0", "model": "smollm2"}, 400, "model_not_served"),
+    ({"instance": "cold-0"}, 400, None),
+])
+def test_admin_switch_rejects_bad_requests(server, body, status, code):
+    resp = httpx.post(server.base_url + "/talaria/admin/switch", json=body, timeout=10)
+    assert resp.status_code == status
+    assert resp.json()["error"]["code"] == code
