@@ -135,11 +135,11 @@ class Batcher:
             self._restoring += slabs
         seq.page_table = cached + fresh
         seq.num_computed = (len(cached) + len(slabs)) * self.pages.page_size
-        if not seq.admitted_once:
+        self.restored_tokens += len(slabs) * self.pages.page_size  # every restore, readmissions too
+        if not seq.admitted_once:  # a call's usage counts what its prompt was served from
             seq.num_cached = seq.num_computed
             self.prefix_hit_tokens += seq.num_computed
             seq.num_restored = len(slabs) * self.pages.page_size
-            self.restored_tokens += seq.num_restored
             seq.admitted_once = True
         if seq.first_scheduled is None:
             seq.first_scheduled = now

@@ -23,7 +23,7 @@ from talaria.node.step_plan import StepPlan, SwitchPlan
 
 class Scheduler:
     def __init__(self, instance: str, batchers: dict[str, Batcher], clock: Callable[[], float],
-                 memory: MemoryPlanner | None = None, slot_s: float = 0.5) -> None:
+                 memory: MemoryPlanner, slot_s: float = 0.5) -> None:
         self.instance = instance
         self.batchers = batchers
         self.clock = clock
@@ -41,8 +41,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         pending_saves = any(b.saves for b in self.batchers.values())
-        return any(b.has_work for b in self.batchers.values()) or pending_saves or (
-            self.memory is not None and self.memory.busy)
+        return any(b.has_work for b in self.batchers.values()) or pending_saves or self.memory.busy
 
     def add(self, call: InstanceCall) -> list[CallOutput]:
         """Queue a call; a call that can never run is answered at once."""
@@ -87,15 +86,15 @@ class Scheduler:
             return self.memory.switch_plan(target, outgoing)
         batcher = self.batchers[self.active]
         plan = batcher.plan(self.clock())
-        ops = self.memory.ops(batcher) if self.memory is not None else None
+        ops = self.memory.ops(batcher)
         if plan is None and not ops:
             return None
         return StepPlan(self.active, plan.chunks if plan else (), ops)
 
     def _switch_target(self) -> str | None:
         forced, self._forced = self._forced, None
-        if forced is not None:
-            return forced if forced != self.active else None
+        if forced is not None and forced != self.active:
+            return forced
         if self.active is None:
             return self._order[0]
         waiting = [m for m in self._rotation() if self.batchers[m].has_work]
@@ -147,8 +146,7 @@ class Scheduler:
         seq.num_emitted += len(new)
         if seq.finish is None:
             return CallOutput(seq.call.request_id, new, committed_kv_tokens=seq.num_computed)
-        if self.memory is not None:
-            self.memory.finished(seq.seq_id)
+        self.memory.finished(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
         self._by_request.pop(seq.call.request_id, None)
         first = self.clock() if seq.first_token_at is None else seq.first_token_at
@@ -179,5 +177,5 @@ class Scheduler:
             host_restored_tokens=sum(b.restored_tokens for b in bs),
             switches=len(self.switches),
             last_switch=last,
-            substrate=self.memory.telemetry() if self.memory is not None else {},
+            substrate=self.memory.telemetry(),
         )

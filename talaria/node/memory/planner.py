@@ -106,7 +106,15 @@ class MemoryPlanner:
         """Publish what every rank agrees on; `reports[r][i]` is rank r's report for agree[i]."""
         for i, (ticket, _) in enumerate(agree):
             save, batcher = self._pending.pop(ticket)
-            self.host.finish_save(self.host.ticket(ticket), agreed_pages([r[i] for r in reports], self.page_size))
+            ticket_obj = self.host.ticket(ticket)
+            ranks = [r[i] for r in reports]
+            agreed = agreed_pages(ranks, self.page_size)
+            for e in ticket_obj.entries:  # and every rank must hold what the page is published as
+                if e.page_index < agreed and any(len(r.chain) <= e.page_index or r.chain[e.page_index] != e.hash
+                                                 for r in ranks):
+                    agreed = e.page_index
+                    break
+            self.host.finish_save(ticket_obj, agreed)
             pages = batcher.pinned_pages.pop(ticket)
             if batcher.pages is not None:
                 batcher.pages.unpin(pages)
