@@ -113,6 +113,8 @@ class InstanceStats:
     switches: int = 0  # model switches since start
     last_switch: dict | None = None  # the last SwitchRecord, as JSON (per-rank phases, path, bytes)
     substrate: dict = field(default_factory=dict)  # staging target, coverage, slack; HKVR use
+    # recent sessions: {session, model, kv_tokens, location: device | host | missing, device_tokens, host_tokens}
+    sessions: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

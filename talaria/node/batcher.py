@@ -212,6 +212,7 @@ class Batcher:
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or cancelled sequence and release its pages (they stay cached)."""
         if seq.status is SeqStatus.RUNNING:
+            seq.page_hashes = tuple(self._hash_chain(seq)[: seq.num_computed // self.pages.page_size])
             self._release(seq)
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:

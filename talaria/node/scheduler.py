@@ -10,6 +10,7 @@ deterministically.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from itertools import count
 
@@ -19,6 +20,9 @@ from talaria.node.memory.host_kv_registry import RankReport
 from talaria.node.memory.planner import MemoryPlanner
 from talaria.node.sequence import Sequence, SeqStatus
 from talaria.node.step_plan import StepPlan, SwitchPlan
+
+
+MAX_SESSIONS_SHOWN = 256  # recent sessions whose KV location telemetry reports
 
 
 class Scheduler:
@@ -37,6 +41,7 @@ class Scheduler:
         self._slot_start = 0.0
         self._forced: str | None = None
         self.switches: list = []  # SwitchRecords, oldest first
+        self._sessions: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()  # id -> (model, hashes)
 
     @property
     def has_work(self) -> bool:
@@ -75,6 +80,12 @@ class Scheduler:
         if model not in self.batchers:
             raise KeyError(model)
         self._forced = model
+
+    def stage_next(self, model: str) -> None:
+        """Stage `model` next instead of the next model in slot order (until the next switch)."""
+        if model not in self.batchers:
+            raise KeyError(model)
+        self.memory.retarget(self.active, model)
 
     def plan(self) -> StepPlan | SwitchPlan | None:
         """The next thing to run: a switch, or a step of the active model (maybe only memory ops)."""
@@ -147,6 +158,11 @@ class Scheduler:
         if seq.finish is None:
             return CallOutput(seq.call.request_id, new, committed_kv_tokens=seq.num_computed)
         self.memory.finished(seq.seq_id)
+        if seq.call.session_id is not None:
+            self._sessions[seq.call.session_id] = (seq.model, seq.page_hashes)
+            self._sessions.move_to_end(seq.call.session_id)
+            while len(self._sessions) > MAX_SESSIONS_SHOWN:
+                self._sessions.popitem(last=False)
         self._seqs.pop(seq.seq_id, None)
         self._by_request.pop(seq.call.request_id, None)
         first = self.clock() if seq.first_token_at is None else seq.first_token_at
@@ -159,6 +175,20 @@ class Scheduler:
 
     def _error(self, request_id: str, message: str) -> CallOutput:
         return CallOutput(request_id, (), FinishReason.ERROR, error=message)
+
+    def session_states(self) -> tuple[dict, ...]:
+        """Where each recent session's KV is now: device-resident, host-restorable or missing."""
+        out = []
+        host, ps = self.memory.host, self.memory.page_size
+        for session, (model, chain) in self._sessions.items():
+            pool = self.batchers[model].pages
+            on_device = len(pool.match_prefix(chain)) if model == self.active else 0
+            on_host = len(host.peek(model, chain)) if host is not None else 0
+            where = ("device" if chain and on_device == len(chain) else
+                     "host" if chain and on_host == len(chain) else "missing")  # partial: the tokens say how much
+            out.append({"session": session, "model": model, "kv_tokens": len(chain) * ps, "location": where,
+                        "device_tokens": on_device * ps, "host_tokens": on_host * ps})
+        return tuple(out)
 
     def stats(self) -> InstanceStats:
         bs = self.batchers.values()
@@ -178,4 +208,5 @@ class Scheduler:
             switches=len(self.switches),
             last_switch=last,
             substrate=self.memory.telemetry(),
+            sessions=self.session_states(),
         )

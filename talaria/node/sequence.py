@@ -35,6 +35,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     admitted_once: bool = False
+    page_hashes: tuple[int, ...] = ()  # cumulative hashes of its computed full pages, set when it leaves
 
     @property
     def model(self) -> str:

@@ -83,3 +83,34 @@ def test_switches_restore_every_session_from_host_tp2(three):
         committed = len(cont) - 2 - 1
         assert usage.restored_tokens == committed // 4 * 4, name
         assert toks == refs[name].greedy(cont, GREEDY.max_tokens), name
+
+
+def test_telemetry_reports_where_each_sessions_kv_lives(three):
+    files, _ = three
+    core = engine(files[:2], **SUBSTRATE)
+    a, b = files[0].name, files[1].name
+    prompt = tuple(range(30))
+    run(core, [InstanceCall("s1", a, prompt, GREEDY, session_id="sess-a")])
+    where = {s["session"]: s for s in core.stats().sessions}
+    assert where["sess-a"]["location"] == "device" and where["sess-a"]["kv_tokens"] == 36
+    core.scheduler.force_switch(b)
+    run(core, [InstanceCall("s2", b, prompt, GREEDY, session_id="sess-b")])
+    where = {s["session"]: s for s in core.stats().sessions}
+    assert where["sess-a"]["location"] == "host" and where["sess-a"]["host_tokens"] == 36  # switched out
+    assert where["sess-b"]["location"] == "device"
+
+
+def test_staging_target_is_the_next_model_in_slot_order_or_set_explicitly(three):
+    files, refs = three
+    core = engine(files, **SUBSTRATE)  # llama active; slot order llama -> qwen2 -> qwen3
+    stager = core.scheduler.memory.stager
+    assert stager.target_model == files[1].name
+    core.scheduler.stage_next(files[2].name)
+    assert stager.target_model == files[2].name
+    prompt = list(range(40))
+    run(core, [InstanceCall("busy", files[0].name, tuple(prompt), GREEDY)])  # staging advances while it serves
+    assert stager.coverage() > 0
+    core.scheduler.force_switch(files[2].name)
+    out = run(core, [InstanceCall("q3", files[2].name, tuple(prompt), GREEDY)])["q3"]
+    assert core.stats().last_switch["path"] in ("full_d2d", "partial")  # some of it came device-to-device
+    assert tokens(out) == refs[files[2].name].greedy(prompt, GREEDY.max_tokens)

@@ -141,6 +141,10 @@ class HostKVRegistry:
         self._hits += len(slabs)
         return slabs
 
+    def peek(self, model: str, chain: Sequence[int]) -> list[int]:
+        """Like `match`, without refreshing recency or counting hits (telemetry)."""
+        return self._matched(model, chain)
+
     def location(self, model: str, chain: Sequence[int], min_pages: int = 1) -> KVLocation:
         """HOST if at least `min_pages` leading pages of `chain` are restorable, else MISSING."""
         if min_pages < 1:

@@ -136,8 +136,16 @@ class MemoryPlanner:
     def switched(self, active: str, next_model: str | None) -> None:
         """After a switch: staging restarts towards the model expected next."""
         self._writing = None
+        self.retarget(active, next_model)
+
+    def retarget(self, active: str, next_model: str | None) -> None:
+        """Stage `next_model`'s weights from now on (the chunk in flight, if any, finishes first)."""
         if self.stager is None:
             return
+        if self._writing is not None:
+            self._wait_staging()
+            self.stager.written(self._writing)
+            self._writing = None
         self.stager.clear()
         if next_model is not None and next_model != active:
             self.stager.target(next_model, self.weight_bytes[next_model], self.layout.plan(active))
