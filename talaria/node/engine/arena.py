@@ -27,6 +27,8 @@ class Arena:
         self.nbytes = nbytes
         self.device = torch.device(device)
         self._storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        if self.device.type == "cpu":
+            self._storage.zero_()  # touch every page now: no first-touch faults while serving
         self._low = 0  # next free byte from the bottom
         self._high = nbytes  # first byte taken from the top
 

@@ -128,13 +128,13 @@ class EngineCore:
         ops = plan.ops or MemoryOps()
         sub = self.substrate
         sub.before_step(ops)
+        if ops.stage is not None:  # beside the forward: its pages are blocked from allocation
+            model, src0, src1, dst0, dst1 = ops.stage
+            sub.start_staging(model, (src0, src1), (dst0, dst1))
         for c in plan.chunks:
             self.ledger.record(c.seq_id, c.start_pos, c.token_ids)
         logits = run_step(sub.model, sub.kv, plan) if plan.chunks else None
         reports = self._agree(ops.agree)
-        if ops.stage is not None:
-            model, src0, src1, dst0, dst1 = ops.stage
-            sub.start_staging(model, (src0, src1), (dst0, dst1))
         for seq_id in ops.forget:
             self.ledger.forget(seq_id)
         return logits, reports

@@ -36,7 +36,3 @@ class KVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer i: (num_pages + 1, page_size, kv_heads, head_dim) strided views."""
         return self.data[:, i, 0], self.data[:, i, 1]
-
-    def page_bytes_view(self, page: int) -> torch.Tensor:
-        """The raw bytes of one page, for host copies."""
-        return self.data[page].view(-1).view(torch.uint8)

@@ -31,6 +31,17 @@ from talaria.node.step_plan import MemoryOps
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _gathers(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, list[int]]]:
+    """(src, dst) pairs as (dst0, srcs) runs of consecutive destinations: one gather per run."""
+    runs: list[tuple[int, list[int]]] = []
+    for src, dst in pairs:
+        if runs and dst == runs[-1][0] + len(runs[-1][1]):
+            runs[-1][1].append(src)
+        else:
+            runs.append((dst, [src]))
+    return runs
+
+
 class ModelImage:
     """A model's weight shard on the host, byte-identical to its device weights region."""
 
@@ -68,12 +79,17 @@ class Substrate:
         self.num_slabs = instance.host_kv_bytes // self.slab_bytes
         self.slabs = Arena(max(1, self.num_slabs) * self.slab_bytes, "cpu", pin=cuda).bytes(
             0, max(1, self.num_slabs) * self.slab_bytes).view(-1, self.slab_bytes)
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy")  # D2H and staging beside serving
+        # D2H saves and staging copies run beside serving, on one core: a second full OpenMP team
+        # would fight the forward's for the same cores (and keeps spinning after it is done)
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy", initializer=torch.set_num_threads,
+                                         initargs=(1,))
+        self._copy_stream = torch.cuda.Stream(self.arena.device) if cuda else None
         self.poison = instance.debug_poison
         self.active: str | None = None
         self.plan: LayoutPlan | None = None
         self.model: LlamaModel | None = None
         self.kv: KVCache | None = None
+        self.kv_bytes: torch.Tensor | None = None  # the same pool as raw page rows, for host copies
         self._models: dict[str, tuple[LlamaModel, Bases]] = {}  # cached runtime state per model
         self.rebuilds = 0  # runtime state rebuilt because its addresses moved (the pointer check)
         self._saves: dict[int, Future] = {}  # ticket -> D2H copy in flight
@@ -87,19 +103,30 @@ class Substrate:
             self._staging = None
         if self.poison and ops.poison:
             self.kv.data.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), float("nan"))
-        if ops.restores:
-            pb = self.images[self.active].page_bytes
-            for slab, page in ops.restores:
-                self.kv.page_bytes_view(page).copy_(self.slabs[slab, :pb], non_blocking=True)
+        if ops.restores:  # slab -> page; fresh pages are mostly consecutive, slabs anywhere
+            pb = self.kv_bytes.shape[1]
+            if self.kv_bytes.is_cuda:  # pinned host -> device, one DMA per page
+                for slab, page in ops.restores:
+                    self.kv_bytes[page].copy_(self.slabs[slab, :pb], non_blocking=True)
+            else:  # one gather per run straight into the pages: a single pass over the bytes
+                for page, slabs in _gathers(ops.restores):
+                    torch.index_select(self.slabs[:, :pb], 0, torch.tensor(slabs),
+                                       out=self.kv_bytes[page:page + len(slabs)])
             self._sync()
         for save in ops.saves:
-            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv, save.copies,
-                                                          self.images[self.active].page_bytes)
+            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies)
 
-    def _copy_out(self, kv: KVCache, copies: tuple[tuple[int, int], ...], pb: int) -> None:
-        for page, slab in copies:
-            self.slabs[slab, :pb].copy_(kv.page_bytes_view(page))
-        self._sync()
+    def _copy_out(self, kv_bytes: torch.Tensor, copies: tuple[tuple[int, int], ...]) -> None:
+        """page -> slab; slabs come lowest-first, so mostly one gather per save."""
+        pb = kv_bytes.shape[1]
+        if kv_bytes.is_cuda:  # device -> pinned host on a side stream, beside the compute stream
+            with torch.cuda.stream(self._copy_stream):
+                for page, slab in copies:
+                    self.slabs[slab, :pb].copy_(kv_bytes[page], non_blocking=True)
+            self._copy_stream.synchronize()
+            return
+        for slab, pages in _gathers(copies):
+            torch.index_select(kv_bytes, 0, torch.tensor(pages), out=self.slabs[slab:slab + len(pages), :pb])
 
     def wait_save(self, ticket: int) -> None:
         """Block until this rank's D2H copies of the ticket are done (before reporting on it)."""
@@ -151,6 +178,7 @@ class Substrate:
         if self.poison:
             self.arena.bytes(plan.kv.start, plan.kv.end).view(torch.uint8).fill_(0xFF)  # NaN in any float
         self.kv = KVCache(data, self.instance.page_size)
+        self.kv_bytes = data.view(plan.num_pages + 1, -1).view(torch.uint8)  # (pages, page bytes)
         marks.append(time.perf_counter())
         bases = self.layout.bases(name)  # 4: runtime state, rebuilt only if its addresses moved
         cached = self._models.get(name)

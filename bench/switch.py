@@ -1,0 +1,393 @@
+"""Model-switch latency and HKVR restore bandwidth, against copy ceilings measured in the same run.
+
+    python bench/switch.py [--device cpu|cuda] [--json PATH] [--runs N] [--threads T]
+                           [--chunk-mib M] [--restore-mib M]
+
+Two synthetic Llama models (float32, a few hundred MiB each) share one cold instance, driven
+in-process at TP=1 with the code a worker runs. Per run it measures:
+
+* a staged switch A -> B: A serves a long greedy generation while B's weights are staged into A's
+  KV tail one chunk per engine step; once the stager's coverage reaches 1.0 a forced switch opens B
+  (path ``full_d2d``). The same switch on an instance with staging off (path ``h2d_only``), after
+  as many serving steps. Both with the five phases of App. D, from the switch record;
+* the HKVR restore: ``Substrate.before_step`` with restores of ``--restore-mib`` MiB of KV pages
+  from host slabs, the exact code a step runs before its forward;
+* the ceilings: a single large ``copy_`` of the same byte count, host memcpy on CPU; on CUDA a
+  device-to-device copy and a pinned host-to-device copy.
+
+Machines are noisy, so rates are compared as fractions of a ceiling measured in the same run, and
+the median over ``--runs`` runs is reported. Progress goes to stderr, the tables to stdout,
+everything (with every run's switch records) to the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from talaria.config.schema import (
+    Device,
+    InstanceConfig,
+    ModelConfig,
+    Pool,
+    SyntheticShape,
+)
+from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
+from talaria.models.source import ModelFiles, prepare_model
+from talaria.node.engine.core import EngineCore
+from talaria.node.engine.kv_cache import KVCache
+from talaria.node.engine.parallel import Shard, TPGroup
+from talaria.node.engine.substrate import DTYPES
+from talaria.node.engine.weights import weights_nbytes
+from talaria.node.memory.stager import SwitchPath
+from talaria.node.memory.switch_record import PHASES, SwitchRecord
+from talaria.node.step_plan import MemoryOps
+
+# A (~349 MiB) serves first; B (~317 MiB, another KV page size) is the switch target
+MODEL_A = ModelConfig(name="switch-a", source="synthetic:", dtype="float32", seed=1, shape=SyntheticShape(
+    hidden_size=1024, intermediate_size=1536, num_layers=8, num_heads=16, num_kv_heads=4, vocab_size=32000,
+    max_position=2048, tie_word_embeddings=True))
+MODEL_B = ModelConfig(name="switch-b", source="synthetic:", dtype="float32", seed=2, shape=SyntheticShape(
+    hidden_size=1024, intermediate_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, vocab_size=32000,
+    max_position=2048, tie_word_embeddings=True))
+PAGE_SIZE = 16
+KV_MARGIN = 128 << 20  # arena beyond both weight images: A's serving pages below B's staged image
+PROMPT_TOKENS = 32
+SERVE = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)  # outlives staging
+COPY_REPS = 3  # restore and ceiling copies per run, interleaved; the run keeps their median
+GIB = 1 << 30
+TARGETS = {"restore_fraction": 0.7}
+
+
+def gib_s(nbytes: int, seconds: float) -> float:
+    return nbytes / GIB / seconds
+
+
+def weight_bytes(files: ModelFiles) -> int:
+    return weights_nbytes(Shard(0, 1, files.arch), DTYPES[files.dtype])
+
+
+def page_bytes(files: ModelFiles) -> int:
+    return KVCache.page_bytes(Shard(0, 1, files.arch), PAGE_SIZE, DTYPES[files.dtype])
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+def build_core(a: ModelFiles, b: ModelFiles, device: str, chunk_bytes: int, restore_pages: int) -> EngineCore:
+    """A cold instance serving A then B, A open; slabs filled so restores read real memory."""
+    slab = max(page_bytes(a), page_bytes(b))
+    instance = InstanceConfig(name=f"bench-{'staged' if chunk_bytes else 'h2d'}", pool=Pool.COLD,
+                              models=(a.name, b.name), device=Device(device),
+                              arena_bytes=weight_bytes(a) + weight_bytes(b) + KV_MARGIN, page_size=PAGE_SIZE,
+                              host_kv_bytes=(restore_pages + 64) * slab, staging_chunk_bytes=chunk_bytes,
+                              slot_s=3600.0)  # only forced switches
+    gc.collect()
+    core = EngineCore(instance, [a, b], TPGroup(0, 1))
+    core.substrate.slabs.fill_(0x5A)  # an untouched slab would read the zero page and flatter the restore
+    return core
+
+
+def check(outputs, what: str) -> None:
+    for out in outputs:
+        if out.finish is FinishReason.ERROR:
+            raise RuntimeError(f"{what}: request {out.request_id} failed: {out.error}")
+
+
+def switch_to(core: EngineCore, model: str) -> SwitchRecord:
+    """Force a switch and run it: the next step executes the SwitchPlan."""
+    before = core.scheduler.switches[-1] if core.scheduler.switches else None
+    core.scheduler.force_switch(model)
+    check(core.step(), f"switch to {model}")
+    record = core.scheduler.switches[-1] if core.scheduler.switches else None
+    if record is None or record is before or record.to_model != model:
+        raise RuntimeError(f"forced switch to {model!r} left no switch record (active: {core.scheduler.active})")
+    return record
+
+
+def warm_up(core: EngineCore, a: str, b: str) -> None:
+    """Open B once and come back, so measured switches hit cached runtime state; run A's forward."""
+    switch_to(core, b)
+    switch_to(core, a)
+    check(core.add(InstanceCall("warm", a, tuple(range(PROMPT_TOKENS)), SamplingParams(max_tokens=4))), "warm-up")
+    while core.has_work:
+        check(core.step(), "warm-up")
+
+
+def serve_then_switch(core: EngineCore, a: str, b: str, run: int, steps: int | None,
+                      log) -> tuple[SwitchRecord, int, float]:
+    """A serves a long generation for `steps` steps (None: until B is fully staged), then A -> B.
+
+    Returns the switch record, the serving steps and their mean wall time in ms. Afterwards A is
+    active again and idle, ready for the next run.
+    """
+    rng = random.Random(run)  # a fresh prompt per run: no prefix hits on an earlier run's pages
+    rid = f"serve-{run}"
+    check(core.add(InstanceCall(rid, a, tuple(rng.randrange(256) for _ in range(PROMPT_TOKENS)), SERVE)), rid)
+    stager = core.scheduler.memory.stager
+    cap = SERVE.max_tokens - 1
+    n, t0 = 0, time.perf_counter()
+    while (stager.coverage() < 1.0) if steps is None else (n < steps):
+        if n >= cap:
+            raise RuntimeError(f"staging of {b!r} reached only {stager.coverage():.0%} after {n} serving steps; "
+                               "the KV tail is too small for its image (raise KV_MARGIN) or staging is stuck")
+        outputs = core.step()
+        check(outputs, rid)
+        if any(o.finish is not None for o in outputs):
+            raise RuntimeError(f"{rid} finished after {n + 1} steps, before the switch; raise SERVE.max_tokens")
+        n += 1
+    step_ms = (time.perf_counter() - t0) * 1e3 / max(n, 1)
+    log(f"  {core.instance.name}: {n} serving steps ({step_ms:.0f} ms each), switching {a} -> {b}")
+    record = switch_to(core, b)  # A's generation is preempted: its KV is saved to host in phase 1
+    check(core.cancel(rid), rid)
+    switch_to(core, a)  # back, not measured
+    for _ in range(100):
+        if not core.has_work:
+            break
+        check(core.step(), "settle")
+    return record, n, step_ms
+
+
+def restore_ops(core: EngineCore, nbytes: int, run: int) -> tuple[MemoryOps, int]:
+    """Restores of nbytes of KV: active pages 0..N-1 from shuffled slabs, as a continuation's would be."""
+    sub = core.substrate
+    pb = sub.images[sub.active].page_bytes
+    n = nbytes // pb
+    if n > sub.plan.num_pages or n > sub.num_slabs:
+        raise RuntimeError(f"--restore-mib needs {n} pages; the pool has {sub.plan.num_pages} and the host "
+                           f"{sub.num_slabs} slabs: lower --restore-mib")
+    slabs = random.Random(run).sample(range(sub.num_slabs), n)
+    return MemoryOps(restores=tuple(zip(slabs, range(n)))), n * pb
+
+
+# ---- ceilings --------------------------------------------------------------------------------------
+
+class Ceilings:
+    """Plain copies of one byte count: host memcpy on CPU; device-to-device and pinned H2D on CUDA."""
+
+    def __init__(self, device: str, nbytes: int) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.nbytes = nbytes
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device).fill_(1)
+        self.src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).fill_(2)
+        if self.cuda:
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(3)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def memcpy(self) -> float:
+        """GiB/s of one same-device copy (CUDA: device-to-device)."""
+        return gib_s(self.nbytes, self.time(lambda: self.dst.copy_(self.src)))
+
+    def h2d(self) -> float | None:
+        """GiB/s of one pinned host-to-device copy; None on CPU, where it is the memcpy."""
+        if not self.cuda:
+            return None
+        return gib_s(self.nbytes, self.time(lambda: self.dst.copy_(self.host, non_blocking=True)))
+
+
+# ---- one run ---------------------------------------------------------------------------------------
+
+def switch_row(record: SwitchRecord, expect: SwitchPath) -> dict:
+    if record.path is not expect:
+        raise RuntimeError(f"switch {record.from_model} -> {record.to_model} took path {record.path.value}, "
+                           f"expected {expect.value}: {record.to_dict()}")
+    rank = record.ranks[0]
+    return {"total_ms": record.total_ms, "phase_ms": dict(zip((p.value for p in PHASES), rank.phase_ms)),
+            "staged_bytes": rank.staged_bytes, "h2d_bytes": rank.total_bytes - rank.staged_bytes,
+            "record": record.to_dict()}
+
+
+def one_run(staged: EngineCore, plain: EngineCore, ceil: Ceilings, a: str, b: str, run: int,
+            restore_bytes: int, log) -> dict:
+    rec, steps, staged_step_ms = serve_then_switch(staged, a, b, run, None, log)
+    d2d = switch_row(rec, SwitchPath.FULL_D2D)
+    rec, _, plain_step_ms = serve_then_switch(plain, a, b, run, steps, log)
+    h2d = switch_row(rec, SwitchPath.H2D_ONLY)
+
+    log(f"  restore {restore_bytes >> 20} MiB of KV pages and ceiling copies, {COPY_REPS}x each")
+    ops, nbytes = restore_ops(plain, restore_bytes, run)
+    plain.substrate.before_step(ops)  # untimed: faults in the destination pages
+    restore, memcpy, h2d_ceiling = [], [], []
+    for _ in range(COPY_REPS):
+        restore.append(gib_s(nbytes, ceil.time(lambda: plain.substrate.before_step(ops))))
+        memcpy.append(ceil.memcpy())
+        h2d_ceiling.append(ceil.h2d())
+    memcpy_gib_s = statistics.median(memcpy)
+    h2d_ceiling_gib_s = statistics.median(h2d_ceiling) if ceil.cuda else memcpy_gib_s
+    restore_gib_s = statistics.median(restore)
+
+    d2d_open_s = d2d["phase_ms"]["open_weights"] / 1e3
+    h2d_open_s = h2d["phase_ms"]["open_weights"] / 1e3
+    d2d_gather = gib_s(d2d["staged_bytes"], d2d_open_s)
+    h2d_rate = gib_s(h2d["h2d_bytes"], h2d_open_s)
+    return {
+        "switch_d2d_ms": d2d["total_ms"], "switch_h2d_ms": h2d["total_ms"],
+        **{f"switch_d2d_{p}_ms": ms for p, ms in d2d["phase_ms"].items()},
+        **{f"switch_h2d_{p}_ms": ms for p, ms in h2d["phase_ms"].items()},
+        "memcpy_gib_s": memcpy_gib_s, "h2d_ceiling_gib_s": h2d_ceiling_gib_s, "restore_gib_s": restore_gib_s,
+        "restore_fraction": restore_gib_s / h2d_ceiling_gib_s,
+        "d2d_gather_gib_s": d2d_gather, "d2d_gather_fraction": d2d_gather / memcpy_gib_s,
+        "h2d_gib_s": h2d_rate, "h2d_fraction": h2d_rate / h2d_ceiling_gib_s,
+        "staging_speedup": h2d["total_ms"] / d2d["total_ms"],
+        "open_weights_speedup": h2d_open_s / d2d_open_s,
+        "serve_step_ms_staging": staged_step_ms, "serve_step_ms_plain": plain_step_ms,
+        "staging_steps": steps, "load_1m": os.getloadavg()[0],
+        "restore_copies_gib_s": restore, "memcpy_copies_gib_s": memcpy,
+        "switch_d2d": d2d["record"], "switch_h2d": h2d["record"],
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def render(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def tables(m: dict, cfg: dict) -> str:
+    wa, wb = cfg["weight_bytes"][MODEL_A.name] >> 20, cfg["weight_bytes"][MODEL_B.name] >> 20
+    switch = [(f"switch {MODEL_A.name} -> {MODEL_B.name} ({wa} -> {wb} MiB), ms", "full_d2d", "h2d_only",
+               "h2d/d2d")]
+    for i, p in enumerate(PHASES, 1):
+        d, h = m[f"switch_d2d_{p.value}_ms"], m[f"switch_h2d_{p.value}_ms"]
+        switch.append((f"  phase {i} {p.value}", f"{d:.2f}", f"{h:.2f}", f"{h / d:.2f}" if d > 0 else "-"))
+    switch.append(("  total", f"{m['switch_d2d_ms']:.2f}", f"{m['switch_h2d_ms']:.2f}", f"{m['staging_speedup']:.2f}"))
+    switch.append((f"serving steps to stage {wb} MiB ({cfg['staging_chunks']} chunks)",
+                   f"{m['staging_steps']:.0f}", "-", "-"))
+    switch.append(("serving step while staging / not, ms", f"{m['serve_step_ms_staging']:.1f}",
+                   f"{m['serve_step_ms_plain']:.1f}", "-"))
+    ceiling = "device-to-device copy" if cfg["device"] == "cuda" else "memcpy"
+    h2d_ceiling = "pinned H2D copy" if cfg["device"] == "cuda" else "memcpy"
+    copies = [("copy", "GiB/s", "ceiling", "fraction"),
+              (f"ceiling: {ceiling}, {cfg['restore_bytes'] >> 20} MiB", f"{m['memcpy_gib_s']:.2f}", "-", "1.00")]
+    if cfg["device"] == "cuda":
+        copies.append((f"ceiling: {h2d_ceiling}, {cfg['restore_bytes'] >> 20} MiB", f"{m['h2d_ceiling_gib_s']:.2f}",
+                       "-", "1.00"))
+    copies += [
+        (f"HKVR restore, {cfg['restore_pages']} pages of {cfg['page_bytes'][MODEL_A.name] >> 10} KiB",
+         f"{m['restore_gib_s']:.2f}", h2d_ceiling, f"{m['restore_fraction']:.2f}"),
+        (f"switch D2D gather ({wb} MiB, phase 2)", f"{m['d2d_gather_gib_s']:.2f}", ceiling,
+         f"{m['d2d_gather_fraction']:.2f}"),
+        (f"switch H2D open ({wb} MiB, phase 2)", f"{m['h2d_gib_s']:.2f}", h2d_ceiling, f"{m['h2d_fraction']:.2f}"),
+    ]
+    return render(switch) + "\n\n" + render(copies)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives")
+    ap.add_argument("--json", type=Path, default=Path("bench/results/switch.json"), help="where to write results")
+    ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    ap.add_argument("--chunk-mib", type=int, default=16, help="staging chunk: one per serving step")
+    ap.add_argument("--restore-mib", type=int, default=256, help="KV bytes per restore (at least 64: beyond caches)")
+    args = ap.parse_args(argv)
+    if args.runs < 3:
+        ap.error("--runs must be at least 3: the report is a median")
+    if args.restore_mib < 64 or args.chunk_mib < 1:
+        ap.error("--restore-mib must be at least 64 and --chunk-mib at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
+    files = []
+    for cfg in (MODEL_A, MODEL_B):
+        log(f"preparing {cfg.name}: synthetic {cfg.shape.hidden_size}x{cfg.shape.num_layers} layers "
+            "(generated once, then cached in ~/.cache/talaria)")
+        files.append(prepare_model(cfg, None, progress=lambda stage, done, total: log(f"  {stage} {done}/{total}")))
+    a, b = files
+    restore_bytes = args.restore_mib << 20
+    restore_pages = restore_bytes // page_bytes(a)
+    log(f"building two instances on {args.device} ({args.threads} threads, load average {load_start:.2f}): "
+        f"staging in {args.chunk_mib} MiB chunks, and staging off")
+    staged = build_core(a, b, args.device, args.chunk_mib << 20, restore_pages)
+    plain = build_core(a, b, args.device, 0, restore_pages)
+    for core in (staged, plain):
+        warm_up(core, a.name, b.name)
+    ceil = Ceilings(args.device, restore_bytes)
+
+    runs = []
+    for r in range(args.runs):
+        log(f"run {r + 1}/{args.runs}")
+        runs.append(one_run(staged, plain, ceil, a.name, b.name, r, restore_bytes, log))
+    scalar = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
+    config = {
+        "device": args.device, "threads": args.threads, "runs": args.runs, "page_size": PAGE_SIZE,
+        "staging_chunk_bytes": args.chunk_mib << 20,
+        "staging_chunks": -(-weight_bytes(b) // (args.chunk_mib << 20)), "restore_bytes": restore_bytes,
+        "restore_pages": restore_pages, "arena_bytes": staged.instance.arena_bytes,
+        "host_kv_bytes": staged.instance.host_kv_bytes,
+        "models": {m.name: {"dtype": m.dtype, "seed": m.seed, "shape": dataclasses.asdict(m.shape)}
+                   for m in (MODEL_A, MODEL_B)},
+        "weight_bytes": {f.name: weight_bytes(f) for f in files},
+        "page_bytes": {f.name: page_bytes(f) for f in files},
+    }
+    result = {
+        **medians,
+        **{f"switch_{k}_phase_ms": {p.value: medians[f"switch_{k}_{p.value}_ms"] for p in PHASES}
+           for k in ("d2d", "h2d")},
+        "targets": TARGETS,
+        "runs": runs,
+        "config": config,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    print(tables(medians, config))
+    print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "
+          f"target restore_fraction >= {TARGETS['restore_fraction']})")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
