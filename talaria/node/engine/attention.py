@@ -3,9 +3,10 @@
 KV lives in pages (see kv_cache.py). A step's metadata says where each new token's K/V goes
 (page, offset) and which pages each sequence attends to. Decoding sequences (one query each) run as
 one padded SDPA call; prefill chunks run one call each with a causal mask offset by the cached
-prefix. Gathered positions past a sequence's context (the tail of its last page, padding pages) are
-zeroed before SDPA: a masked position still multiplies its V by a zero weight, and a freed page may
-hold anything — NaN in poison mode.
+prefix. A lone decoding sequence gathers exactly its context. In a padded batch, positions past a
+sequence's context (the tail of its last page, padding pages) are masked and also zeroed: a masked
+position still multiplies its V by a zero weight, and a page's unwritten tail may hold anything —
+another model's bytes after a switch, a staged chunk, NaN in poison mode — while 0 * NaN is NaN.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class DecodeBatch:
     pages: torch.Tensor  # (B * max_pages,) context pages, padded with the null page
     valid: torch.Tensor | None  # (B, max_pages * page_size) bool, None when no position is invalid
     batch: int
+    ctx: int | None  # a lone sequence's context length: gather exactly that, nothing to mask
 
 
 @dataclass(slots=True)
@@ -70,11 +72,12 @@ class AttentionMeta:
             width = max(len(p) for p in dec_pages)
             flat = [p for pages in dec_pages for p in (*pages, *[null_page] * (width - len(pages)))]
             valid = None
-            if any(ctx != width * page_size for ctx in dec_ctx):
+            lone = dec_ctx[0] if len(dec_ctx) == 1 else None
+            if lone is None and any(ctx != width * page_size for ctx in dec_ctx):
                 valid = (torch.arange(width * page_size)[None, :] < torch.tensor(dec_ctx)[:, None]).to(device)
             decode = DecodeBatch(
                 rows=None if not prefills else torch.tensor(dec_rows, device=device),
-                pages=torch.tensor(flat, device=device), valid=valid, batch=len(dec_rows))
+                pages=torch.tensor(flat, device=device), valid=valid, batch=len(dec_rows), ctx=lone)
         return cls(torch.tensor(w_pages, device=device), torch.tensor(w_offs, device=device), decode, prefills)
 
 
@@ -96,13 +99,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gqa = q.shape[1] != k_cache.shape[2]
     d = meta.decode
     if d is not None and d.rows is None:  # pure decode: the rows are the batch
-        k, v = _gather(k_cache, d.pages, d.batch, d.valid), _gather(v_cache, d.pages, d.batch, d.valid)
+        k, v = _gather(k_cache, d.pages, d.batch, d.valid, d.ctx), _gather(v_cache, d.pages, d.batch, d.valid, d.ctx)
         mask = d.valid[:, None, None, :] if d.valid is not None else None
         return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=gqa).squeeze(2)
     out = torch.empty_like(q)
     if d is not None:
-        k, v = _gather(k_cache, d.pages, d.batch, d.valid), _gather(v_cache, d.pages, d.batch, d.valid)
+        k, v = _gather(k_cache, d.pages, d.batch, d.valid, d.ctx), _gather(v_cache, d.pages, d.batch, d.valid, d.ctx)
         mask = d.valid[:, None, None, :] if d.valid is not None else None
         o = F.scaled_dot_product_attention(q.index_select(0, d.rows).unsqueeze(2), k, v, attn_mask=mask,
                                            scale=scale, enable_gqa=gqa)  # (B, nh, 1, hd)
