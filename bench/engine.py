@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from report import cpu_model, render  # bench/report.py, beside this script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
@@ -229,16 +230,6 @@ def build_inputs(tok) -> tuple[list[int], list[int], list[list[int]]]:
     return prompt, prefix, tails
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def table(m: dict) -> str:
     def ms(s):
         return f"{s * 1e3:.1f}"
@@ -252,11 +243,7 @@ def table(m: dict) -> str:
     rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} cold cache", ms(m["talaria_prefix_cold_ttft_s"]), "-", "-"))
     rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} prefix hit", ms(m["talaria_prefix_hit_ttft_s"]), "-",
                  f"{m['prefix_hit_ttft_speedup']:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [" | ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i]) for i in range(4))
-             for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from report import cpu_model, render  # bench/report.py, beside this script
 
 from talaria.config.schema import (
     Device,
@@ -260,24 +261,6 @@ def one_run(staged: EngineCore, plain: EngineCore, ceil: Ceilings, a: str, b: st
 
 
 # ---- report ----------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def render(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
-
 
 def tables(m: dict, cfg: dict) -> str:
     wa, wb = cfg["weight_bytes"][MODEL_A.name] >> 20, cfg["weight_bytes"][MODEL_B.name] >> 20

@@ -26,11 +26,24 @@ else:  # pragma: no cover
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import (
-    Device, InstanceConfig, ModelConfig, Pool, RouterConfig, RouterPolicy, ServerConfig,
-    SyntheticShape, TalariaConfig,
+    Device,
+    InstanceConfig,
+    ModelConfig,
+    Pool,
+    RouterConfig,
+    RouterPolicy,
+    ServerConfig,
+    SyntheticShape,
+    TalariaConfig,
 )
 from talaria.config.tables import (
-    Problems, format_size, one_of, read_array, read_single, toml_value, unknown_key,
+    Problems,
+    format_size,
+    one_of,
+    read_array,
+    read_single,
+    toml_value,
+    unknown_key,
 )
 from talaria.models.arch import ModelArch
 
@@ -158,7 +171,9 @@ def _check_models(models: list[tuple[str, ModelConfig]], probs: Problems) -> dic
             probs.add(f"[models.shape] {label}", f'shape is only for source = "synthetic:" '
                       f"(this model's weights come from {shown}); remove [models.shape]")
         elif m.is_synthetic and _shape_ok(m.shape, f"[models.shape] {label}", probs):
-            from talaria.models.synthetic import synthetic_arch  # numpy: only for synthetic models
+            from talaria.models.synthetic import (
+                synthetic_arch,  # numpy: only for synthetic models
+            )
 
             archs[m.name] = synthetic_arch(m.shape)  # cannot raise: _shape_ok checked what it checks
     return archs
@@ -235,7 +250,9 @@ def _check_tp(inst: InstanceConfig, archs: dict[str, ModelArch], where: str, pro
 def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:
     archs = {}
     for m in cfg.models:
-        from talaria.models.errors import ModelSourceError  # model readers load on demand
+        from talaria.models.errors import (
+            ModelSourceError,  # model readers load on demand
+        )
         from talaria.models.source import model_arch
 
         try:  # synthetic models too: model_arch builds theirs from the shape
@@ -281,21 +298,22 @@ def _suggest(need: int) -> str:
 
 
 def _check_cuda(cuda: list[InstanceConfig], probs: Problems, info: list[str]) -> None:
-    import torch  # only here: a CPU-only config never pays for importing torch
+    from talaria.node.engine.devices import (
+        cuda_devices,  # only here: CPU-only configs never import torch
+    )
 
-    if not torch.cuda.is_available():
-        build = f"torch {torch.__version__}" + \
-            (", a CPU-only build" if torch.version.cuda is None else f" built for CUDA {torch.version.cuda}")
+    devices = cuda_devices()
+    if not devices.count:
         for inst in cuda:
             probs.add(f"[[instances]] {toml_value(inst.name)}", f'device = "cuda" but torch finds '
-                      f'no CUDA device ({build}); run on a GPU machine, or set device = "cpu"')
+                      f'no CUDA device ({devices.build}); run on a GPU machine, or set device = "cpu"')
         return
-    count = torch.cuda.device_count()
+    count = devices.count
     for inst in cuda:
         if inst.tp > count:
             probs.add(f"[[instances]] {toml_value(inst.name)}", f"tp = {inst.tp} needs {inst.tp} "
                       f"GPUs but torch finds {count}; lower tp, or run on a node with more GPUs")
-    info.append(f"cuda: {count} x {torch.cuda.get_device_name(0)}")
+    info.append(f"cuda: {count} x {devices.name}")
     ranks = sum(i.tp for i in cuda)
     if ranks > count:
         info.append(f"note: cuda instances have {ranks} ranks on {count} GPUs, "

@@ -25,10 +25,21 @@ from pathlib import Path
 from talaria.config.schema import ModelConfig, SyntheticShape
 from talaria.models import gguf_convert, synthetic
 from talaria.models.arch import ModelArch
-from talaria.models.conversion_cache import ConversionCache, default_cache_dir, fingerprint
+from talaria.models.conversion_cache import (
+    ConversionCache,
+    default_cache_dir,
+    fingerprint,
+)
 from talaria.models.errors import ModelSourceError
 from talaria.models.gguf_file import GgufFile, GgufFormatError
-from talaria.models.hf_dir import CONFIG, GENERATION_CONFIG, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, read_json
+from talaria.models.hf_dir import (
+    CONFIG,
+    GENERATION_CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    read_json,
+)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), called during conversion
 

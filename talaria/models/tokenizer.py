@@ -16,7 +16,13 @@ import tokenizers
 from talaria.models.chat_template import ChatTemplate
 from talaria.models.detokenizer import IncrementalDetokenizer
 from talaria.models.errors import ChatTemplateError, ModelSourceError
-from talaria.models.hf_dir import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, read_json
+from talaria.models.hf_dir import (
+    CONFIG,
+    GENERATION_CONFIG,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    read_json,
+)
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -15,7 +15,7 @@ from collections import deque
 from talaria.contracts.call import FinishReason
 from talaria.node.memory.host_kv_registry import HostKVRegistry
 from talaria.node.memory.page_manager import PageManager
-from talaria.node.sequence import Sequence, SeqStatus
+from talaria.node.sequence import SeqStatus, Sequence
 from talaria.node.step_plan import SaveOp, SeqChunk, StepPlan
 
 

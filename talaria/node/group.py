@@ -18,12 +18,21 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import wait
 
 from talaria.config.schema import InstanceConfig
-from talaria.contracts.call import (CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady,
-                                    InstanceStats, Shutdown, SwitchDone, SwitchModel)
-from talaria.node.memory.rank_ledger import TestOnlyFault
+from talaria.contracts.call import (
+    CallOutput,
+    CancelCall,
+    FinishReason,
+    InstanceCall,
+    InstanceReady,
+    InstanceStats,
+    Shutdown,
+    SwitchDone,
+    SwitchModel,
+)
 from talaria.models.source import ModelFiles
 from talaria.node.engine.worker import WorkerSpec, worker_main
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.node.memory.rank_ledger import TestOnlyFault
 
 log = logging.getLogger("talaria.node")
 

@@ -14,13 +14,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import count
 
-from talaria.contracts.call import CallOutput, CallTimings, FinishReason, InstanceCall, InstanceStats, Usage
+from talaria.contracts.call import (
+    CallOutput,
+    CallTimings,
+    FinishReason,
+    InstanceCall,
+    InstanceStats,
+    Usage,
+)
 from talaria.node.batcher import Batcher
 from talaria.node.memory.host_kv_registry import RankReport
 from talaria.node.memory.planner import MemoryPlanner
-from talaria.node.sequence import Sequence, SeqStatus
+from talaria.node.sequence import SeqStatus, Sequence
 from talaria.node.step_plan import StepPlan, SwitchPlan
-
 
 MAX_SESSIONS_SHOWN = 256  # recent sessions whose KV location telemetry reports
 

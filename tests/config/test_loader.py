@@ -11,7 +11,11 @@ import pytest
 
 from talaria.config.errors import ConfigError
 from talaria.config.loader import (
-    check_files, default_config_path, load_config, params_per_rank, parse_config,
+    check_files,
+    default_config_path,
+    load_config,
+    params_per_rank,
+    parse_config,
 )
 from talaria.config.schema import Device, Pool, RouterPolicy, SyntheticShape
 from talaria.config.tables import parse_size

@@ -8,7 +8,14 @@ import pytest
 from talaria.config.schema import ModelConfig, SyntheticShape
 from talaria.models.errors import ModelSourceError
 from talaria.models.source import prepare_model
-from talaria.models.synthetic import BOS_ID, EOS_ID, PAD_ID, byte_tokenizer, synthetic_arch, synthetic_weights
+from talaria.models.synthetic import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    byte_tokenizer,
+    synthetic_arch,
+    synthetic_weights,
+)
 
 
 def test_same_seed_same_weights_different_seed_different_weights():

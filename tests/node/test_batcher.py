@@ -11,7 +11,7 @@ from __future__ import annotations
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.node.batcher import Batcher
 from talaria.node.memory.page_manager import PageManager
-from talaria.node.sequence import Sequence, SeqStatus
+from talaria.node.sequence import SeqStatus, Sequence
 from talaria.node.step_plan import SeqChunk, StepPlan
 
 EOS = 2

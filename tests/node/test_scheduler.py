@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from talaria.contracts.call import CallOutput, CallTimings, FinishReason, InstanceCall, SamplingParams, Usage
+from talaria.contracts.call import (
+    CallOutput,
+    CallTimings,
+    FinishReason,
+    InstanceCall,
+    SamplingParams,
+    Usage,
+)
 from talaria.node.batcher import Batcher
 from talaria.node.memory.bump_layout import BumpLayout
 from talaria.node.memory.host_kv_registry import HostKVRegistry, RankReport
@@ -26,6 +33,7 @@ from talaria.node.memory.rank_ledger import RankLedger
 from talaria.node.scheduler import Scheduler
 from talaria.node.sequence import SeqStatus
 from talaria.node.step_plan import MemoryOps, SaveOp, SeqChunk, StepPlan, SwitchPlan
+from tests.node.copy_events import CopyEventsStandIn
 
 PS = 4
 PAGE_BYTES = 256
@@ -41,33 +49,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class CopyEventsStandIn:
-    """Stands in for the copy engine's completion events: the test says which copies have finished.
-
-    `wait_copies` / `wait_staging` are what the planner calls when it would block on an event; here
-    they record the wait and mark the copy finished, as the event would once it fired.
-    """
-
-    def __init__(self) -> None:
-        self.saves_finished: set[int] = set()  # tickets whose D2H copies finished on rank 0
-        self.staging_finished = False
-        self.waited: list[int | str] = []  # tickets waited on, and "staging"
-
-    def copies_done(self, ticket: int) -> bool:
-        return ticket in self.saves_finished
-
-    def staging_done(self) -> bool:
-        return self.staging_finished
-
-    def wait_copies(self, ticket: int) -> None:
-        self.waited.append(ticket)
-        self.saves_finished.add(ticket)
-
-    def wait_staging(self) -> None:
-        self.waited.append("staging")
-        self.staging_finished = True
 
 
 @dataclass

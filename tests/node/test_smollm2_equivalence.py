@@ -6,6 +6,7 @@ such a step is recorded and both continue from the reference token."""
 from __future__ import annotations
 
 import asyncio
+
 import pytest
 import torch
 

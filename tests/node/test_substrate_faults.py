@@ -23,7 +23,16 @@ from talaria.node.group import EngineGroup
 from talaria.node.memory import rank_ledger
 from talaria.node.memory.host_kv_registry import KVLocation
 from talaria.node.memory.stager import ChunkState
-from tests.node.conftest import GREEDY, arena_for_pages, call, engine, instance, run, tiny_files, tokens
+from tests.node.conftest import (
+    GREEDY,
+    arena_for_pages,
+    call,
+    engine,
+    instance,
+    run,
+    tiny_files,
+    tokens,
+)
 from tests.node.reference import ReferenceLlama
 
 PS = 4  # tokens per KV page

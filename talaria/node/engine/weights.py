@@ -49,7 +49,7 @@ class _Checkpoint:
         else:
             path = directory / "model.safetensors"
             with safe_open(path, framework="pt") as f:
-                self._file_of = {name: path for name in f.keys()}
+                self._file_of = dict.fromkeys(f.keys(), path)
         self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:

@@ -17,8 +17,16 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from talaria.config.schema import Device, InstanceConfig
-from talaria.contracts.call import (CallOutput, CancelCall, FinishReason, InstanceCall, InstanceReady, Shutdown,
-                                    SwitchDone, SwitchModel)
+from talaria.contracts.call import (
+    CallOutput,
+    CancelCall,
+    FinishReason,
+    InstanceCall,
+    InstanceReady,
+    Shutdown,
+    SwitchDone,
+    SwitchModel,
+)
 from talaria.models.source import ModelFiles
 from talaria.node.memory.rank_ledger import TestOnlyFault
 

@@ -17,8 +17,9 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from collections.abc import Set as AbstractSet
 
 
 def page_hash(parent: int, tokens: Seq[int], page_size: int) -> int:
@@ -42,7 +43,7 @@ class PageManager:
     are never handed out, and `on_allocate` tells the stager which pages were taken.
     """
 
-    def __init__(self, num_pages: int, page_size: int, blocked: Callable[[], Set[int]] | None = None,
+    def __init__(self, num_pages: int, page_size: int, blocked: Callable[[], AbstractSet[int]] | None = None,
                  on_allocate: Callable[[list[int]], None] | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size

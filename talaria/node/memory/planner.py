@@ -12,7 +12,11 @@ from collections.abc import Callable, Sequence
 
 from talaria.node.batcher import Batcher
 from talaria.node.memory.bump_layout import BumpLayout, Region
-from talaria.node.memory.host_kv_registry import HostKVRegistry, RankReport, agreed_pages
+from talaria.node.memory.host_kv_registry import (
+    HostKVRegistry,
+    RankReport,
+    agreed_pages,
+)
 from talaria.node.memory.page_manager import PageManager
 from talaria.node.memory.stager import GatherPlan, StagedChunk, Stager, SwitchPath
 from talaria.node.step_plan import MemoryOps, SaveOp, SwitchPlan
@@ -105,7 +109,7 @@ class MemoryPlanner:
     def agreed(self, agree: Sequence[tuple[int, int]], reports: Sequence[Sequence[RankReport]]) -> None:
         """Publish what every rank agrees on; `reports[r][i]` is rank r's report for agree[i]."""
         for i, (ticket, _) in enumerate(agree):
-            save, batcher = self._pending.pop(ticket)
+            _, batcher = self._pending.pop(ticket)
             ticket_obj = self.host.ticket(ticket)
             ranks = [r[i] for r in reports]
             agreed = agreed_pages(ranks, self.page_size)

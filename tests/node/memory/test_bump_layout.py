@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.node.memory.bump_layout import Bases, BumpLayout, LayoutError, Region, align_down, align_up
+from talaria.node.memory.bump_layout import (
+    Bases,
+    BumpLayout,
+    LayoutError,
+    Region,
+    align_down,
+    align_up,
+)
 
 ARENA = 65536
 RUNTIME = 4096

@@ -19,6 +19,7 @@ from talaria.node.memory.planner import MemoryPlanner, full_h2d
 from talaria.node.memory.stager import ChunkState, GatherPlan, Stager, SwitchPath
 from talaria.node.sequence import Sequence
 from talaria.node.step_plan import MemoryOps
+from tests.node.copy_events import CopyEventsStandIn
 
 PS = 4
 PAGE_BYTES = 256
@@ -27,29 +28,6 @@ CHUNK = 512
 STAGE_0 = ("b", 0, 512, 2560, 3072)  # (model, src0, src1, dst0, dst1)
 STAGE_1 = ("b", 512, 1024, 2048, 2560)
 STAGE_2 = ("b", 1024, 1280, 1792, 2048)
-
-
-class CopyEventsStandIn:
-    """Stands in for the copy engine's completion events; `wait_*` record the wait and finish the copy."""
-
-    def __init__(self) -> None:
-        self.saves_finished: set[int] = set()
-        self.staging_finished = False  # the last staging copy issued has landed on rank 0
-        self.waited: list[int | str] = []
-
-    def copies_done(self, ticket: int) -> bool:
-        return ticket in self.saves_finished
-
-    def staging_done(self) -> bool:
-        return self.staging_finished
-
-    def wait_copies(self, ticket: int) -> None:
-        self.waited.append(ticket)
-        self.saves_finished.add(ticket)
-
-    def wait_staging(self) -> None:
-        self.waited.append("staging")
-        self.staging_finished = True
 
 
 @dataclass

@@ -7,7 +7,11 @@ import json
 import pytest
 
 from talaria.node.memory.stager import SwitchPath
-from talaria.node.memory.switch_record import RankSwitchRecord, SwitchPhase, SwitchRecord
+from talaria.node.memory.switch_record import (
+    RankSwitchRecord,
+    SwitchPhase,
+    SwitchRecord,
+)
 
 
 def rank(r: int, phases: tuple[float, ...], path: SwitchPath = SwitchPath.FULL_D2D, rebuilt: bool = False,
