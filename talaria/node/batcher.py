@@ -106,11 +106,13 @@ class Batcher:
         """Make room for one more token of a decoding sequence, preempting if needed."""
         if len(seq.token_ids) <= len(seq.page_table) * self.pages.page_size:
             return True
-        while self.pages.num_free == 0:
+        if self.pages.num_free == 0:
             victims = [s for s in self.running if s.seq_id not in planned and s is not seq]
             victim = victims[-1] if victims else seq
             self._preempt(victim)
-            if victim is seq:
+            if victim is seq or self.pages.num_free == 0:
+                # the victim's pages are pinned while its KV goes to host: wait for them, one step,
+                # rather than preempting every other sequence too
                 return False
         seq.page_table += self.pages.allocate(1)
         return True

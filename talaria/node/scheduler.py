@@ -103,7 +103,7 @@ class Scheduler:
             return self.memory.switch_plan(target, outgoing)
         batcher = self.batchers[self.active]
         plan = batcher.plan(self.clock())
-        ops = self.memory.ops(batcher)
+        ops = self.memory.ops(batcher, idle=plan is None)
         if plan is None and not ops:
             return None
         return StepPlan(self.active, plan.chunks if plan else (), ops)

@@ -81,9 +81,10 @@ class MemoryPlanner:
         """Staging may write a page only if it is free and caches no prefix."""
         return self._pool.is_free(page) and not self._pool.is_cached(page)
 
-    def ops(self, batcher: Batcher) -> MemoryOps:
-        if not batcher.has_work and self._pending and not any(map(self._copies_done, self._pending)):
-            self._wait_copies(next(iter(self._pending)))  # nothing else to do: wait, don't spin
+    def ops(self, batcher: Batcher, idle: bool = False) -> MemoryOps:
+        """The memory ops for the next step; `idle`: the step computes nothing (no chunk planned)."""
+        if idle and self._pending and not any(map(self._copies_done, self._pending)):
+            self._wait_copies(next(iter(self._pending)))  # only host copies can make progress: wait
         staged = False
         if self._writing is not None and self._staging_done():
             self.stager.written(self._writing)
