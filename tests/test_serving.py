@@ -3,6 +3,7 @@ real engine workers on loopback — answers, errors, the prefix cache, cancellat
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -208,3 +209,27 @@ def test_admin_switch_rejects_bad_requests(server, body, status, code):
     resp = httpx.post(server.base_url + "/talaria/admin/switch", json=body, timeout=10)
     assert resp.status_code == status
     assert resp.json()["error"]["code"] == code
+
+
+def test_event_stream_carries_the_switch_with_its_phases(server):
+    first, other = wait_for(lambda: _cold_stats(server), 10, "cold-0 telemetry")["models"]
+    switch = server.base_url + "/talaria/admin/switch"
+    httpx.post(switch, json={"instance": "cold-0", "model": first}, timeout=60)
+    record = httpx.post(switch, json={"instance": "cold-0", "model": other}, timeout=60).json()["switch"]
+    with httpx.stream("GET", server.base_url + "/talaria/events?since=0", timeout=10) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        seqs = []
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            seqs.append(event["seq"])
+            if event["kind"] == "switch" and event["total_ms"] == record["total_ms"]:
+                break
+    assert event["instance"] == "cold-0" and event["to_model"] == other and len(event["ranks"]) == 2
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_event_stream_rejects_a_bad_since(server):
+    resp = httpx.get(server.base_url + "/talaria/events?since=abc", timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "since"

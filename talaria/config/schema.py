@@ -103,12 +103,19 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TelemetryConfig:
+    events_path: str | None = None  # append every event as JSON lines to this file (relative: to the config)
+    events_buffer: int = 10000  # recent events kept for /talaria/events clients that connect late
+
+
+@dataclass(frozen=True, slots=True)
 class TalariaConfig:
     path: Path | None  # the file it came from; relative model paths resolve against its folder
     server: ServerConfig = field(default_factory=ServerConfig)
     models: tuple[ModelConfig, ...] = ()
     instances: tuple[InstanceConfig, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:

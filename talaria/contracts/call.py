@@ -115,6 +115,7 @@ class InstanceStats:
     substrate: dict = field(default_factory=dict)  # staging target, coverage, slack; HKVR use
     # recent sessions: {session, model, kv_tokens, location: device | host | missing, device_tokens, host_tokens}
     sessions: tuple[dict, ...] = ()
+    version: int = 0  # increases with every snapshot of this instance: a router can spot a stale one
 
 
 @dataclass(frozen=True, slots=True)

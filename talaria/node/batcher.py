@@ -31,6 +31,7 @@ class Batcher:
         self.restores: list[tuple[int, int]] = []  # (slab, page) restores decided since the last step
         self.pinned_pages: dict[int, list[int]] = {}  # ticket -> device pages its D2H copy reads
         self._restoring: list[int] = []  # host slabs pinned by restores in the current step
+        self.restored: list[tuple[Sequence, int]] = []  # (sequence, tokens) restored, for the event log
         self.restored_tokens = 0
         self.pages = pages
         if pages is not None:
@@ -92,15 +93,16 @@ class Batcher:
                 break  # FIFO: a prompt that does not fit yet holds the queue
             self.waiting.popleft()
             n = min(seq.num_uncomputed, budget)
-            chunks.append(self._chunk(seq, n))
+            chunks.append(self._chunk(seq, n, admitted=True))
             planned.add(seq.seq_id)
             budget -= n
         return StepPlan(self.model, tuple(chunks)) if chunks else None
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+    def _chunk(self, seq: Sequence, n: int, admitted: bool = False) -> SeqChunk:
         start = seq.num_computed
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:start + n]), start,
-                        tuple(seq.page_table), start + n == len(seq.token_ids))
+                        tuple(seq.page_table), start + n == len(seq.token_ids),
+                        tuple(seq.token_ids[:start]) if admitted else ())
 
     def _reserve_slot(self, seq: Sequence, planned: set[int]) -> bool:
         """Make room for one more token of a decoding sequence, preempting if needed."""
@@ -135,6 +137,7 @@ class Batcher:
         if slabs:
             self.host.pin(slabs)
             self._restoring += slabs
+            self.restored.append((seq, len(slabs) * self.pages.page_size))
         seq.page_table = cached + fresh
         seq.num_computed = (len(cached) + len(slabs)) * self.pages.page_size
         self.restored_tokens += len(slabs) * self.pages.page_size  # every restore, readmissions too

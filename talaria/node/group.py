@@ -14,7 +14,7 @@ import multiprocessing as mp
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import wait
 
 from talaria.config.schema import InstanceConfig
@@ -29,6 +29,7 @@ from talaria.contracts.call import (
     SwitchDone,
     SwitchModel,
 )
+from talaria.contracts.events import Event
 from talaria.models.source import ModelFiles
 from talaria.node.engine.worker import WorkerSpec, worker_main
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
@@ -47,8 +48,9 @@ def _free_port() -> int:
 
 class EngineGroup:
     def __init__(self, config: InstanceConfig, models: list[ModelFiles], threads: int,
-                 fault: TestOnlyFault | None = None) -> None:
-        """fault: tests only — corrupt one rank's HKVR agreement reports."""
+                 fault: TestOnlyFault | None = None,
+                 on_events: Callable[[list[Event]], None] | None = None) -> None:
+        """fault: tests only — corrupt one rank's HKVR agreement reports. on_events: the event log."""
         self.config = config
         self.name = config.name
         self.models = models
@@ -58,6 +60,7 @@ class EngineGroup:
         self.stats: InstanceStats | None = None
         self.ready: InstanceReady | None = None
         self.fault = fault
+        self._on_events = on_events
         self._calls: dict[str, asyncio.Queue] = {}
         self._switches: dict[str, asyncio.Future] = {}
         self._switch_ids = 0
@@ -141,6 +144,9 @@ class EngineGroup:
     def _deliver(self, msgs: list, gen: int) -> None:
         if gen != self._generation:
             return
+        events = [m for m in msgs if isinstance(m, Event)]
+        if events and self._on_events is not None:
+            self._on_events(events)
         for m in msgs:
             if isinstance(m, CallOutput):
                 q = self._calls.get(m.request_id)

@@ -22,6 +22,7 @@ from talaria.contracts.call import (
     InstanceStats,
     Usage,
 )
+from talaria.contracts.events import Event, EventKind
 from talaria.node.batcher import Batcher
 from talaria.node.memory.host_kv_registry import RankReport
 from talaria.node.memory.planner import MemoryPlanner
@@ -48,6 +49,8 @@ class Scheduler:
         self._forced: str | None = None
         self.switches: list = []  # SwitchRecords, oldest first
         self._sessions: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()  # id -> (model, hashes)
+        self._events: list[Event] = []  # since the last drain_events()
+        self._stats_version = 0
 
     @property
     def has_work(self) -> bool:
@@ -104,6 +107,10 @@ class Scheduler:
         batcher = self.batchers[self.active]
         plan = batcher.plan(self.clock())
         ops = self.memory.ops(batcher, idle=plan is None)
+        for seq, restored in batcher.restored:
+            self._emit(EventKind.KV_RESTORE, model=self.active, session=seq.call.session_id,
+                       request=seq.call.request_id, tokens=restored)
+        batcher.restored.clear()
         if plan is None and not ops:
             return None
         return StepPlan(self.active, plan.chunks if plan else (), ops)
@@ -129,7 +136,7 @@ class Scheduler:
     def switched(self, plan: SwitchPlan, record, reports: list[list[RankReport]]) -> None:
         """The group opened plan.model: settle the agreed saves, hand the batcher its fresh pool."""
         if plan.ops.agree:
-            self.memory.agreed(plan.ops.agree, reports)
+            self._checkpointed(self.memory.agreed(plan.ops.agree, reports))
         self.active = plan.model
         self._slot_start = self.clock()
         self.batchers[plan.model].resume(self.memory.new_pool(plan.model))
@@ -138,6 +145,7 @@ class Scheduler:
         if record is not None:
             self.switches.append(record)
             del self.switches[:-16]
+            self._emit(EventKind.SWITCH, **record.to_dict())
 
     def commit(self, plan: StepPlan, sampled: dict[int, int], step_s: float,
                reports: list[list[RankReport]] | None = None) -> list[CallOutput]:
@@ -145,7 +153,7 @@ class Scheduler:
         batcher = self.batchers[plan.model]
         batcher.step_done()
         if plan.ops is not None and plan.ops.agree:
-            self.memory.agreed(plan.ops.agree, reports)
+            self._checkpointed(self.memory.agreed(plan.ops.agree, reports))
         for chunk in plan.chunks:
             seq = self._seqs.get(chunk.seq_id)
             if seq is not None and seq.first_token_at is None:
@@ -182,6 +190,18 @@ class Scheduler:
     def _error(self, request_id: str, message: str) -> CallOutput:
         return CallOutput(request_id, (), FinishReason.ERROR, error=message)
 
+    def _emit(self, kind: EventKind, **data) -> None:
+        self._events.append(Event(self.clock(), self.instance, kind, data))
+
+    def _checkpointed(self, saves: list[dict]) -> None:
+        for save in saves:
+            self._emit(EventKind.KV_CHECKPOINT, **save)
+
+    def drain_events(self) -> list[Event]:
+        """Events since the last call, oldest first (the worker ships them with its outputs)."""
+        events, self._events = self._events, []
+        return events
+
     def session_states(self) -> tuple[dict, ...]:
         """Where each recent session's KV is now: device-resident, host-restorable or missing."""
         out = []
@@ -200,8 +220,10 @@ class Scheduler:
         bs = self.batchers.values()
         pool = self.batchers[self.active].pages if self.active is not None else None
         last = self.switches[-1].to_dict() if self.switches else None
+        self._stats_version += 1
         return InstanceStats(
             instance=self.instance,
+            version=self._stats_version,
             waiting=sum(len(b.waiting) for b in bs),
             running=sum(len(b.running) for b in bs),
             kv_pages_used=pool.num_used if pool else 0,

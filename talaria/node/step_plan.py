@@ -17,6 +17,9 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0]; KV for [0, start_pos) is already in the pages
     page_table: tuple[int, ...]  # pages covering at least start_pos + len(token_ids) tokens
     sample: bool  # True when this chunk ends at the sequence's newest token: sample the next one
+    # on admission after a prefix hit or host restore: the reused tokens [0, start_pos), so every
+    # rank's ledger knows the whole prefix it holds (what it reports for the HKVR agreement)
+    prefix: tuple[int, ...] = ()
 
     @property
     def context_len(self) -> int:

@@ -17,6 +17,7 @@ from talaria.contracts.call import InstanceStats
 from talaria.models.arch import ModelArch
 from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.tokenizer import Tokenizer
+from talaria.node.event_log import EventLog
 from talaria.node.group import EngineGroup
 
 log = logging.getLogger("talaria.node")
@@ -39,6 +40,13 @@ class Supervisor:
         self.files: dict[str, ModelFiles] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
         self.groups: list[EngineGroup] = []
+        tel = config.telemetry
+        path = None
+        if tel.events_path is not None:
+            path = Path(tel.events_path).expanduser()
+            if not path.is_absolute() and config.path is not None:
+                path = config.path.parent / path
+        self.events = EventLog(tel.events_buffer, path)
 
     def prepare(self, progress: Progress | None = None) -> None:
         """Resolve, convert (once, cached) and load the tokenizer of every model the instances use."""
@@ -55,7 +63,8 @@ class Supervisor:
         """Start every instance's engine group concurrently; raise if any cannot start."""
         if not self.files:
             self.prepare()
-        self.groups = [EngineGroup(inst, [self.files[m] for m in inst.models], worker_threads(self.config, inst))
+        self.groups = [EngineGroup(inst, [self.files[m] for m in inst.models], worker_threads(self.config, inst),
+                                   on_events=self.events.append)
                        for inst in self.config.instances]
         results = await asyncio.gather(*(g.start() for g in self.groups), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -65,6 +74,7 @@ class Supervisor:
 
     async def stop(self) -> None:
         await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)
+        self.events.close()
 
     # ---- what the gateway asks -------------------------------------------------------------
 

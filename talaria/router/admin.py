@@ -1,10 +1,12 @@
 """Operator endpoints beside the OpenAI API: instance telemetry and forced model switches.
 
 `GET /talaria/telemetry` returns each instance's latest snapshot (InstanceStats as JSON: queues,
-KV pages, active model, switches, the substrate's staging and host-KV state). `POST
+KV pages, active model, switches, the substrate's staging and host-KV state). `GET
+/talaria/events[?since=SEQ]` streams the event log as server-sent events, replaying buffered events
+after SEQ first. `POST
 /talaria/admin/switch` with `{"instance": NAME, "model": NAME}` opens that model on that instance
 now and answers with the switch record (per-rank phase times, path, staged and dirty bytes).
-Both need the API key when one is configured.
+All need the API key when one is configured.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.router.errors import INVALID_REQUEST, NOT_FOUND, UNAVAILABLE, APIError
+from talaria.router.sse import SSEResponse
 
 if TYPE_CHECKING:
     from talaria.router.gateway import Gateway
@@ -54,5 +57,18 @@ def install_admin_routes(app: FastAPI, gateway: Gateway, read_json) -> None:
                            "switch_failed", {"Retry-After": "2"}) from None
         return JSONResponse({"instance": group.name, "model": body["model"], "switch": record})
 
+    async def events(request: Request) -> SSEResponse:
+        gateway.authorize(request)
+        try:
+            since = int(request.query_params.get("since", "0"))
+        except ValueError:
+            raise APIError.invalid("since must be an integer event sequence number", "since") from None
+
+        async def stream():
+            async for event in supervisor.events.follow(since):
+                yield f"data: {event.to_json()}\n\n".encode()
+        return SSEResponse(stream())
+
     app.add_api_route("/talaria/telemetry", telemetry, methods=["GET"])
+    app.add_api_route("/talaria/events", events, methods=["GET"])
     app.add_api_route("/talaria/admin/switch", switch, methods=["POST"])

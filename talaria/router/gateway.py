@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from talaria.contracts.call import InstanceCall
@@ -45,6 +45,7 @@ from talaria.router.metrics import GatewayMetrics
 from talaria.router.openai_protocol import Endpoint, ParsedRequest, parse_request
 from talaria.router.policies import make_policy
 from talaria.router.responses import DONE, ResponseFormat, sse
+from talaria.router.sse import SSEResponse, cancel_on_disconnect
 
 if TYPE_CHECKING:
     from talaria.node.supervisor import Supervisor
@@ -167,7 +168,7 @@ class Gateway:
         parts: list[str] = []
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, request.receive, tg.cancel_scope)
+            tg.start_soon(cancel_on_disconnect, request.receive, tg.cancel_scope)
             try:
                 async with aclosing(gen.text()) as deltas:
                     async for text in deltas:
@@ -205,33 +206,6 @@ class Gateway:
                            {"WWW-Authenticate": "Bearer"})
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always stops its body when the client disconnects and
-    always closes the body iterator, whatever ASGI spec version the server speaks.
-
-    Starlette's StreamingResponse listens for disconnects only under ASGI < 2.4 and never closes the
-    iterator when cancelled between chunks; both would leave a call decoding for nobody.
-    """
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-            try:
-                await self.stream_response(send)
-            except OSError:  # ASGI 2.4 servers raise on send once the client is gone
-                log.info("client went away mid-stream")
-            tg.cancel_scope.cancel()
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
 class RequestCounter:
     """ASGI middleware counting /v1 requests by path and final status (errors included)."""
 
@@ -256,13 +230,6 @@ class RequestCounter:
             await self.app(scope, receive, counting_send)
         finally:
             self.metrics.count_request(path if path in COUNTED_PATHS else "other", status)
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    """Wait until the client disconnects, then cancel `scope` (the work done on its behalf)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
 
 
 async def _read_json(request: Request, limit: int) -> Any:

@@ -176,10 +176,13 @@ def test_readmission_after_preemption_recomputes_generated_tokens_from_the_prefi
     assert a.finish is FinishReason.STOP
     # c's pages 4, 5, 6 are still cached (7 was evicted for a): 12 tokens are reused, and
     # the rest of its prompt plus its generated token are recomputed into pages 7 and 0
-    assert b.plan(0.0) == plan_of(
+    plan = b.plan(0.0)
+    assert plan == plan_of(
         SeqChunk(1, (201,), 11, (1, 2, 3), True),
-        SeqChunk(2, tuple(pc[12:]) + (300,), 12, (4, 5, 6, 7, 0), True),
+        SeqChunk(2, tuple(pc[12:]) + (300,), 12, (4, 5, 6, 7, 0), True,
+                 prefix=(40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51)),  # pc[:12], reused
     )
+    assert plan.chunks[0].prefix == ()  # bb's decode admits nothing: no prefix
     assert c.num_computed == 12
     assert c.num_cached == 0 and b.prefix_hit_tokens == 0  # cached tokens count on first admission only
     assert list(b.waiting) == [d]
@@ -210,7 +213,8 @@ def test_prefix_hit_at_admission_sets_num_computed_and_num_cached():
     bb = seq(1, p[:8] + [30, 31, 32])
     b.add(bb)
     # pages 0 and 1 are hits; page 2 (partial, never published) is the lowest clean page
-    assert b.plan(5.0) == plan_of(SeqChunk(1, (30, 31, 32), 8, (0, 1, 2), True))
+    assert b.plan(5.0) == plan_of(
+        SeqChunk(1, (30, 31, 32), 8, (0, 1, 2), True, prefix=(10, 11, 12, 13, 14, 15, 16, 17)))
     assert (bb.num_computed, bb.num_cached, b.prefix_hit_tokens) == (8, 8, 8)
     assert b.pages.num_free == 5
 
@@ -224,7 +228,7 @@ def test_fully_cached_prompt_still_computes_its_last_page():
     again = seq(1, p)
     b.add(again)
     # both pages are cached, but the step must produce logits for the next token
-    assert b.plan(0.0) == plan_of(SeqChunk(1, tuple(p[4:]), 4, (0, 2), True))
+    assert b.plan(0.0) == plan_of(SeqChunk(1, tuple(p[4:]), 4, (0, 2), True, prefix=(10, 11, 12, 13)))
     assert (again.num_computed, again.num_cached) == (4, 4)
 
 

@@ -320,12 +320,15 @@ def test_the_preempted_sequence_is_restored_from_host_when_its_model_is_active_a
     plan, out = inst.step(53)
     # a fresh pool: pages 0-1 are filled from slabs 1-2 before the forward, only 51, 52 are computed
     # (rb's save was agreed at the switch, so every rank may now forget rb)
-    assert plan == StepPlan("a", (SeqChunk(1, (51, 52), 8, (0, 1, 2), True),),
+    # the admitting chunk carries the restored tokens [0, 8): P1 and r1's first generated token
+    assert plan == StepPlan("a", (SeqChunk(1, (51, 52), 8, (0, 1, 2), True,
+                                           prefix=(10, 11, 12, 13, 14, 15, 16, 50)),),
                             MemoryOps(restores=((1, 0), (2, 1)), forget=(2,)))
     assert out == [CallOutput("r1", (53,), committed_kv_tokens=10)]
     inst.clock.now = 1.125
     plan, [out] = inst.step(54)
     assert plan.chunks == (SeqChunk(1, (53,), 10, (0, 1, 2), True),)
+    assert plan.chunks[0].prefix == ()  # a decode after admission carries no prefix
     assert out.token_ids == (54,) and out.finish is FinishReason.LENGTH
     # its prompt was computed at its first admission: the restore is not a prefix hit of this call
     assert out.usage == Usage(prompt_tokens=7, completion_tokens=5, cached_tokens=0, restored_tokens=0)
@@ -349,7 +352,9 @@ def test_a_returning_session_restores_its_prefix_from_host_and_counts_it():
     assert kind(plan) == "-> a"
     plan, [out] = inst.step(80)
     assert plan.ops.restores == ((0, 0), (1, 1))
-    assert plan.chunks == (SeqChunk(2, (51, 70, 71, 72), 8, (0, 1, 2), True),)
+    # the restored tokens [0, 8): P1 and t1's first generated token
+    assert plan.chunks == (SeqChunk(2, (51, 70, 71, 72), 8, (0, 1, 2), True,
+                                    prefix=(10, 11, 12, 13, 14, 15, 16, 50)),)
     assert out.usage == Usage(prompt_tokens=12, completion_tokens=1, cached_tokens=8, restored_tokens=8)
     st = inst.scheduler.stats()
     assert (st.host_restored_tokens, st.prefix_hit_tokens) == (8, 8)

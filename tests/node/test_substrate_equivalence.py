@@ -52,6 +52,15 @@ def test_switches_restore_every_session_from_host_tp1(three):
         assert tokens(out) == refs[f.name].greedy(cont, GREEDY.max_tokens), f.name
     last = core.stats().last_switch
     assert last["path"] in ("full_d2d", "partial", "h2d_only") and len(last["ranks"]) == 1
+    events = core.scheduler.drain_events()
+    kinds = [e.kind.value for e in events]
+    assert kinds.count("switch") == core.stats().switches
+    restores = [e.data for e in events if e.kind.value == "kv_restore"]
+    assert [r["request"] for r in restores] == [f"{f.name}-2" for f in files]  # one per returning session
+    assert all(r["tokens"] > 0 for r in restores)
+    checkpoints = [e.data for e in events if e.kind.value == "kv_checkpoint"]
+    assert checkpoints and all(c["pages_published"] == c["pages_saved"] for c in checkpoints)  # ranks agreed
+    assert [e.t for e in events] == sorted(e.t for e in events)
 
 
 def test_switches_restore_every_session_from_host_tp2(three):

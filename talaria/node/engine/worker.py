@@ -134,6 +134,7 @@ def _serve(core, conn: Connection) -> None:
             if core.has_work or switches:
                 out += core.step()
             out += _switched(core, switches)
+            out += core.scheduler.drain_events()
             now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 out.append(core.stats())

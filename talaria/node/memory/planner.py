@@ -107,9 +107,12 @@ class MemoryPlanner:
             self._pending[s.ticket] = (s, batcher)
         return saves
 
-    def agreed(self, agree: Sequence[tuple[int, int]], reports: Sequence[Sequence[RankReport]]) -> None:
-        """Publish what every rank agrees on; `reports[r][i]` is rank r's report for agree[i]."""
-        for i, (ticket, _) in enumerate(agree):
+    def agreed(self, agree: Sequence[tuple[int, int]], reports: Sequence[Sequence[RankReport]]) -> list[dict]:
+        """Publish what every rank agrees on; `reports[r][i]` is rank r's report for agree[i].
+
+        Returns one record per checkpoint for the event log: pages saved and pages published."""
+        done = []
+        for i, (ticket, seq_id) in enumerate(agree):
             _, batcher = self._pending.pop(ticket)
             ticket_obj = self.host.ticket(ticket)
             ranks = [r[i] for r in reports]
@@ -123,6 +126,9 @@ class MemoryPlanner:
             pages = batcher.pinned_pages.pop(ticket)
             if batcher.pages is not None:
                 batcher.pages.unpin(pages)
+            done.append({"model": ticket_obj.model, "seq_id": seq_id, "pages_saved": len(ticket_obj.entries),
+                         "pages_published": sum(1 for e in ticket_obj.entries if e.page_index < agreed)})
+        return done
 
     def switch_plan(self, to_model: str, outgoing: Batcher | None) -> SwitchPlan:
         """Open `to_model`: the outgoing model's saves start and every pending save is agreed first."""

@@ -30,9 +30,12 @@ class RankLedger:
         self._tokens: dict[int, list[int]] = {}
         self._fault = fault if fault is not None and fault.rank == rank else None
 
-    def record(self, seq_id: int, start_pos: int, token_ids: tuple[int, ...]) -> None:
-        """This rank wrote KV for token_ids at positions start_pos.. (a recompute rewrites them)."""
+    def record(self, seq_id: int, start_pos: int, token_ids: tuple[int, ...], prefix: tuple[int, ...] = ()) -> None:
+        """This rank wrote KV for token_ids at positions start_pos.. (a recompute rewrites them);
+        `prefix`, on admission, is what it reused for [0, start_pos) from its cache or host slabs."""
         tokens = self._tokens.setdefault(seq_id, [])
+        if prefix:
+            tokens[:] = prefix
         del tokens[start_pos:]
         tokens.extend(token_ids)
 

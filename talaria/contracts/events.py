@@ -1,0 +1,34 @@
+"""The event log contract: what happened on a node, one record per event, in order.
+
+Instances emit switches (with their phases), KV checkpoints to host and restores from host; the
+round scheduler adds rounds, slot phases and SP admissions, the router its routes and leases, the
+simulator the same records in virtual time. Serialised form: one JSON object per line (JSONL) and
+per server-sent event, `{"seq", "t", "instance", "kind", ...data}`; docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class EventKind(str, Enum):
+    SWITCH = "switch"  # data: the SwitchRecord (path, per-rank phases, bytes)
+    KV_CHECKPOINT = "kv_checkpoint"  # data: model, session, pages saved, pages published (TP-agreed)
+    KV_RESTORE = "kv_restore"  # data: model, session, tokens restored from host into device pages
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    t: float  # node monotonic clock, seconds
+    instance: str
+    kind: EventKind
+    data: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0  # node-wide order, assigned by the supervisor's event log
+
+    def to_json(self) -> str:
+        """One line; the envelope fields come last so no data key can shadow them."""
+        return json.dumps({**self.data, "seq": self.seq, "t": self.t, "instance": self.instance,
+                           "kind": self.kind.value}, separators=(",", ":"))

@@ -1,0 +1,71 @@
+"""The node's event log: numbers every event, keeps the recent ones, fans them out.
+
+Events from every instance (and later the router) arrive here on the supervisor's event loop.
+Each gets the next node-wide sequence number, goes into a bounded ring (so a dashboard that
+connects late can replay from a sequence number), is appended to the JSONL file when one is
+configured, and is pushed to every live subscriber. A subscriber that falls behind loses its
+oldest unread events rather than slowing the node down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+from talaria.contracts.events import Event
+
+SUBSCRIBER_QUEUE = 1000  # events a slow subscriber may lag before it loses the oldest
+
+
+class EventLog:
+    def __init__(self, capacity: int = 10000, path: Path | None = None) -> None:
+        self._ring: deque[Event] = deque(maxlen=capacity)
+        self._next = 1
+        self._subscribers: set[asyncio.Queue] = set()
+        self._file = path.open("a", encoding="utf-8") if path is not None else None
+
+    def append(self, events: list[Event]) -> None:
+        if not events:
+            return
+        numbered = []
+        for e in events:
+            numbered.append(replace(e, seq=self._next))
+            self._next += 1
+        self._ring.extend(numbered)
+        if self._file is not None:
+            self._file.write("".join(e.to_json() + "\n" for e in numbered))
+            self._file.flush()
+        for q in self._subscribers:
+            for e in numbered:
+                if q.full():
+                    q.get_nowait()  # drop the oldest unread: never block the node on a slow reader
+                q.put_nowait(e)
+
+    def since(self, seq: int) -> list[Event]:
+        """Buffered events with a sequence number above `seq`."""
+        return [e for e in self._ring if e.seq > seq]
+
+    async def follow(self, since: int = 0) -> AsyncIterator[Event]:
+        """Buffered events after `since`, then live ones, until the consumer stops."""
+        q: asyncio.Queue = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self._subscribers.add(q)  # subscribe before replaying: nothing falls in between
+        try:
+            last = since
+            for e in self.since(since):
+                last = e.seq
+                yield e
+            while True:
+                e = await q.get()
+                if e.seq > last:
+                    last = e.seq
+                    yield e
+        finally:
+            self._subscribers.discard(q)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
