@@ -114,13 +114,23 @@ class Substrate:
                                        out=self.kv_bytes[page:page + len(slabs)])
             self._sync()
         for save in ops.saves:
-            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies)
+            written = self._compute_done()
+            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies, written)
 
-    def _copy_out(self, kv_bytes: torch.Tensor, copies: tuple[tuple[int, int], ...]) -> None:
+    def _compute_done(self):
+        """CUDA: an event after the work queued so far (the pages' K/V writes); None on CPU."""
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _copy_out(self, kv_bytes: torch.Tensor, copies: tuple[tuple[int, int], ...], written) -> None:
         """page -> slab; slabs come lowest-first, so mostly one gather per save."""
         pb = kv_bytes.shape[1]
-        if kv_bytes.is_cuda:  # device -> pinned host on a side stream, beside the compute stream
+        if kv_bytes.is_cuda:  # device -> pinned host on a side stream, once the K/V writes landed
             with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(written)
                 for page, slab in copies:
                     self.slabs[slab, :pb].copy_(kv_bytes[page], non_blocking=True)
             self._copy_stream.synchronize()
@@ -141,8 +151,15 @@ class Substrate:
     def start_staging(self, model: str, src: tuple[int, int], dst: tuple[int, int]) -> None:
         """Copy a chunk of the next model's host image into the KV-pool tail, beside serving."""
         image = self.images[model]
-        self._staging = self.copier.submit(
-            lambda: (self.arena.bytes(*dst).copy_(image.host.bytes(*src)), self._sync()))
+
+        def copy() -> None:
+            if self._copy_stream is None:
+                self.arena.bytes(*dst).copy_(image.host.bytes(*src))
+                return
+            with torch.cuda.stream(self._copy_stream):  # pinned host -> device beside the compute stream
+                self.arena.bytes(*dst).copy_(image.host.bytes(*src), non_blocking=True)
+            self._copy_stream.synchronize()
+        self._staging = self.copier.submit(copy)
 
     def wait_staging(self) -> None:
         if self._staging is not None:
