@@ -93,9 +93,11 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, valid: torch.T
     return kv.transpose(1, 2).contiguous()
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMeta, scale: float) -> torch.Tensor:
-    """q: (T, nh, hd); caches: (pages, page_size, nkv, hd) with this step's K/V written. -> (T, nh, hd)"""
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
+    """q: (T, nh, hd); k, v: (T, nkv, hd), this step's; caches: (pages, page_size, nkv, hd) with this
+    step's K/V written. -> (T, nh, hd)"""
+    k_new, v_new = k, v
     gqa = q.shape[1] != k_cache.shape[2]
     d = meta.decode
     if d is not None and d.rows is None:  # pure decode: the rows are the batch
@@ -112,8 +114,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.index_copy_(0, d.rows, o.squeeze(2))
     for p in meta.prefills:
         qp = q[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, nh, q_len, hd)
-        k = _gather(k_cache, p.pages, 1, None, p.ctx)  # (1, nkv, ctx, hd)
-        v = _gather(v_cache, p.pages, 1, None, p.ctx)
+        if p.mask is None:  # the chunk is the whole context: its own K/V, no gather
+            k = k_new[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nkv, ctx, hd)
+            v = v_new[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0).contiguous()
+        else:
+            k = _gather(k_cache, p.pages, 1, None, p.ctx)  # (1, nkv, ctx, hd)
+            v = _gather(v_cache, p.pages, 1, None, p.ctx)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[p.row:p.row + p.q_len] = o.squeeze(0).transpose(0, 1)

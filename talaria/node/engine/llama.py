@@ -79,7 +79,7 @@ class LlamaModel:
             k_cache, v_cache = kv.layer(i)  # (pages, page_size, nkv, hd) each
             k_cache.index_put_((meta.write_pages, meta.write_offsets), k)
             v_cache.index_put_((meta.write_pages, meta.write_offsets), v)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
             x = x + self.group.all_reduce(F.linear(o.reshape(T, nh * hd), lw.o_proj))
             h = rms_norm(x, lw.post_norm, arch.rms_norm_eps)
             gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # (T, I_local) each
