@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from report import cpu_model, render  # bench/report.py, beside this script
+from report import ProgressLog, cpu_model, render  # bench/report.py, beside this script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
@@ -258,10 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_tokens < AGREE_TOKENS:
         ap.error(f"--decode-tokens must be at least {AGREE_TOKENS}")
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-    t_start = time.perf_counter()
+    log = ProgressLog()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     log(f"preparing {MODEL.source} (float32), {args.threads} threads, load average {load_start:.2f}")
@@ -303,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": time.perf_counter() - t_start,
+        "wall_s": log.elapsed,
     }
     print(table(medians))
     print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "

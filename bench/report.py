@@ -3,7 +3,23 @@
 from __future__ import annotations
 
 import platform
+import sys
+import time
 from pathlib import Path
+
+
+class ProgressLog:
+    """Progress lines on stderr, stamped with the seconds since the benchmark started."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def cpu_model() -> str:

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from report import cpu_model, render  # bench/report.py, beside this script
+from report import ProgressLog, cpu_model, render  # bench/report.py, beside this script
 
 from talaria.config.schema import (
     Device,
@@ -307,10 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-    t_start = time.perf_counter()
+    log = ProgressLog()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     files = []
@@ -361,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": time.perf_counter() - t_start,
+        "wall_s": log.elapsed,
     }
     print(tables(medians, config))
     print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "
