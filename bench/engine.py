@@ -25,17 +25,19 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import transformers
-from report import ProgressLog, cpu_model, render  # bench/report.py, beside this script
+from report import (  # bench/report.py, beside this script
+    ProgressLog,
+    environment,
+    render,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
@@ -293,14 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                    "threads": args.threads, "runs": args.runs, "decode_tokens": args.decode_tokens,
                    "prompt_tokens": len(prompt), "prefix_tokens": len(prefix), "tail_tokens": len(tails[0])},
         "threads": args.threads,
-        "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
-        "python_version": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": log.elapsed,
+        **environment(log, load_start),
     }
     print(table(medians))
     print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "

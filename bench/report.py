@@ -32,6 +32,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def environment(log: ProgressLog, load_start: float) -> dict:
+    """What a result depends on besides the code: software, machine, load, date, duration."""
+    import os
+    from datetime import datetime, timezone
+
+    import torch
+
+    return {
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": log.elapsed,
+    }
+
+
 def render(rows: list[tuple[str, ...]]) -> str:
     """A text table: the first row is the header, the first column left-aligned, the rest right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

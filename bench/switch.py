@@ -27,16 +27,18 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from report import ProgressLog, cpu_model, render  # bench/report.py, beside this script
+from report import (  # bench/report.py, beside this script
+    ProgressLog,
+    environment,
+    render,
+)
 
 from talaria.config.schema import (
     Device,
@@ -352,13 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": config,
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": log.elapsed,
+        **environment(log, load_start),
     }
     print(tables(medians, config))
     print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "

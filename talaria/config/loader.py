@@ -26,6 +26,7 @@ else:  # pragma: no cover
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import (
+    DTYPE_BYTES,
     Device,
     InstanceConfig,
     ModelConfig,
@@ -48,7 +49,6 @@ from talaria.config.tables import (
 )
 from talaria.models.arch import ModelArch
 
-ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
 
 _TOP = ("server", "models", "instances", "router", "telemetry")
@@ -276,7 +276,7 @@ def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, Mode
         return
     need = {}  # model -> (weight bytes, bytes of MIN_KV_PAGES pages) on one rank
     for name, arch in archs.items():
-        size = ITEMSIZE[cfg.model(name).dtype]
+        size = DTYPE_BYTES[cfg.model(name).dtype]
         kv_heads = math.ceil(arch.num_kv_heads / inst.tp)
         page = inst.page_size * 2 * arch.num_layers * kv_heads * arch.head_dim * size
         need[name] = (params_per_rank(arch, inst.tp) * size, MIN_KV_PAGES * page)

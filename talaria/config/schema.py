@@ -37,7 +37,8 @@ class Ablation(str, Enum):
     ROUND_ONLY = "round_only"  # all three off: the paper's baseline
 
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the weight/KV dtypes we serve
+DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(frozen=True, slots=True)

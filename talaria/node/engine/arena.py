@@ -1,9 +1,9 @@
-"""One managed memory region per rank, handed out as typed tensor views.
+"""One managed memory region, handed out as typed tensor views.
 
-Weights and KV are carved from the low end, runtime buffers from the high end; what is left in
-between is what the KV pool may take. The model code only ever asks the arena for tensors, so the
-memory substrate can change the allocation policy (bump layout, staging, switching) without
-touching the model.
+On the device it is a rank's arena: the bump layout (talaria/node/memory/bump_layout.py) says which
+byte ranges hold the active model's weights, its KV pool and the runtime state, and the substrate
+binds views there with `view_at`. On the host it holds a model's weight image, filled in load
+order with `alloc`. The model code only ever sees tensors, so the layout can change without it.
 """
 
 from __future__ import annotations
@@ -29,37 +29,24 @@ class Arena:
         self._storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
         if self.device.type == "cpu":
             self._storage.zero_()  # touch every page now: no first-touch faults while serving
-        self._low = 0  # next free byte from the bottom
-        self._high = nbytes  # first byte taken from the top
+        self._low = 0  # next free byte: `alloc` bumps upward (host weight images)
 
     @property
     def free_bytes(self) -> int:
-        return self._high - self._low
+        return self.nbytes - self._low
 
     @property
     def used_low(self) -> int:
         return self._low
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, *, what: str = "tensor") -> torch.Tensor:
-        """A view from the low end (weights, KV pool)."""
+        """The next view from the low end (a model's weights, in load order)."""
         n = align_up(_nbytes(shape, dtype))
-        if self._low + n > self._high:
+        if self._low + n > self.nbytes:
             raise ArenaFull(f"arena: {what} needs {n} bytes, {self.free_bytes} free of {self.nbytes}")
         view = self._view(self._low, shape, dtype)
         self._low += n
         return view
-
-    def alloc_high(self, shape: tuple[int, ...], dtype: torch.dtype, *, what: str = "buffer") -> torch.Tensor:
-        """A view anchored at the high end (runtime buffers)."""
-        n = align_up(_nbytes(shape, dtype))
-        if self._high - n < self._low:
-            raise ArenaFull(f"arena: {what} needs {n} bytes, {self.free_bytes} free of {self.nbytes}")
-        self._high -= n
-        return self._view(self._high, shape, dtype)
-
-    def release_low(self, offset: int) -> None:
-        """Give back everything from `offset` up to the low watermark (a switch releases KV and weights)."""
-        self._low = align_up(offset)
 
     def offset_of(self, t: torch.Tensor) -> int:
         """Byte offset of a view of this arena from the arena's start."""

@@ -37,7 +37,6 @@ class EngineCore:
                  clock: Callable[[], float] = time.monotonic, fault: TestOnlyFault | None = None) -> None:
         self.instance = instance
         self.group = group
-        self.clock = clock
         self.substrate = sub = Substrate(instance, models, group)
         for m in models:  # every model must fit the arena: fail at start, not at its first switch
             sub.layout.plan(m.name)

@@ -91,7 +91,6 @@ class Substrate:
         self.kv: KVCache | None = None
         self.kv_bytes: torch.Tensor | None = None  # the same pool as raw page rows, for host copies
         self._models: dict[str, tuple[LlamaModel, Bases]] = {}  # cached runtime state per model
-        self.rebuilds = 0  # runtime state rebuilt because its addresses moved (the pointer check)
         self._saves: dict[int, Future] = {}  # ticket -> D2H copy in flight
         self._staging: Future | None = None
 
@@ -207,7 +206,6 @@ class Substrate:
                          for i in range(2))
             cached = (LlamaModel(arch, image.shard, weights, self.group, image.dtype, rope), bases)
             self._models[name] = cached
-            self.rebuilds += rebuilt
         marks.append(time.perf_counter())
         self.model, self.active, self.plan = cached[0], name, plan  # 5: publish
         marks.append(time.perf_counter())

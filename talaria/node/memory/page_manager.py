@@ -179,11 +179,3 @@ class PageManager:
             return
         self._hash_of[page] = h
         self._page_of[h] = page
-
-    def reset_cache(self) -> None:
-        """Forget every published prefix (pages in use keep their KV)."""
-        for p in list(self._cached):
-            heapq.heappush(self._clean, p)
-        self._cached.clear()
-        self._page_of.clear()
-        self._hash_of = [None] * self.num_pages

@@ -200,16 +200,6 @@ def test_match_prefix_stops_at_the_first_miss():
     assert pm.match_prefix([]) == []
 
 
-def test_reset_cache_forgets_every_prefix_but_keeps_references():
-    pm = PageManager(2, PS)
-    pm.allocate(2)
-    hashes = published(pm, [0, 1])
-    pm.release([1])
-    pm.reset_cache()
-    assert pm.match_prefix(hashes[:1]) == [] and pm.match_prefix(hashes[1:]) == []
-    assert (pm.num_free, pm.is_free(0)) == (1, False)
-
-
 # ---- DMA pins, blocked pages and the allocation callback ----------------------------------------
 
 
