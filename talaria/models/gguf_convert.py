@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from talaria.models.arch import ModelArch
+from talaria.models.arch import FAMILIES, ModelArch
 from talaria.models.errors import ModelSourceError
 from talaria.models.gguf_file import GgufFile
 from talaria.models.gguf_tokenizer import VOCAB_ARRAYS, gguf_tokenizer
@@ -24,7 +24,6 @@ from talaria.models.hf_dir import write_hf_dir
 
 FORMAT_VERSION = 1  # bump when the output of convert_gguf changes; part of the cache fingerprint
 
-_FAMILIES = ("llama", "qwen2", "qwen3")  # general.architecture values we can serve
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -40,9 +39,9 @@ def gguf_arch(gguf: GgufFile) -> ModelArch:
     """The model's architecture from metadata and the tensor table alone (no tensor is dequantized
     except the tiny ``rope_freqs`` vector of Llama 3.1+)."""
     family = gguf.architecture
-    if family not in _FAMILIES:
+    if family not in FAMILIES:
         raise ModelSourceError(f"{gguf.path}: architecture {family!r} is not supported; "
-                               f"Talaria serves {', '.join(_FAMILIES)} models")
+                               f"Talaria serves {', '.join(FAMILIES)} models")
     meta, p = gguf.metadata, family
     try:
         vocab_size, hidden = gguf.tensors["token_embd.weight"].shape

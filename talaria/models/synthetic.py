@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from talaria.config.schema import SyntheticShape
-from talaria.models.arch import ModelArch
+from talaria.models.arch import FAMILIES, ModelArch
 from talaria.models.byte_level import byte_level_bpe, bytes_to_unicode
 from talaria.models.errors import ModelSourceError
 from talaria.models.hf_dir import write_hf_dir
@@ -34,7 +34,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def synthetic_arch(shape: SyntheticShape) -> ModelArch:
@@ -42,8 +41,8 @@ def synthetic_arch(shape: SyntheticShape) -> ModelArch:
     if shape.vocab_size < MIN_VOCAB:
         raise ModelSourceError(f"synthetic vocab_size = {shape.vocab_size} is too small: the byte tokenizer "
                                f"needs {MIN_VOCAB} ids (256 bytes + bos/eos/pad); set vocab_size >= {MIN_VOCAB}")
-    if shape.family not in _FAMILIES:
-        raise ModelSourceError(f"synthetic family = {shape.family!r} is unknown; use one of {', '.join(_FAMILIES)}")
+    if shape.family not in FAMILIES:
+        raise ModelSourceError(f"synthetic family = {shape.family!r} is unknown; use one of {', '.join(FAMILIES)}")
     if shape.num_heads % shape.num_kv_heads:
         raise ModelSourceError(f"synthetic num_heads = {shape.num_heads} is not a multiple of "
                                f"num_kv_heads = {shape.num_kv_heads}")

@@ -18,7 +18,13 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
-from talaria.router.errors import INVALID_REQUEST, NOT_FOUND, UNAVAILABLE, APIError
+from talaria.router.errors import (
+    INVALID_REQUEST,
+    NOT_FOUND,
+    RETRY_AFTER_S,
+    UNAVAILABLE,
+    APIError,
+)
 from talaria.router.sse import SSEResponse
 
 if TYPE_CHECKING:
@@ -54,7 +60,7 @@ def install_admin_routes(app: FastAPI, gateway: Gateway, read_json) -> None:
             record = await group.switch(body["model"], SWITCH_TIMEOUT_S)
         except (InstanceFailed, InstanceUnavailable, TimeoutError) as e:
             raise APIError(503, str(e) or "the switch did not finish in time", UNAVAILABLE, None,
-                           "switch_failed", {"Retry-After": "2"}) from None
+                           "switch_failed", {"Retry-After": str(RETRY_AFTER_S)}) from None
         return JSONResponse({"instance": group.name, "model": body["model"], "switch": record})
 
     async def events(request: Request) -> SSEResponse:

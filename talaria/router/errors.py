@@ -17,6 +17,7 @@ AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
+RETRY_AFTER_S = 2  # what a 503 tells clients to wait: instances restart or free up within seconds
 
 
 class APIError(Exception):

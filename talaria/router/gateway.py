@@ -36,6 +36,7 @@ from talaria.router.errors import (
     AUTHENTICATION,
     INVALID_REQUEST,
     NOT_FOUND,
+    RETRY_AFTER_S,
     SERVER_ERROR,
     UNAVAILABLE,
     APIError,
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 2  # what a 503 tells clients to wait: instances restart or free up within seconds
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody receives it
 COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
 
@@ -96,9 +96,9 @@ class Gateway:
 
     async def health(self) -> JSONResponse:
         """200 when every engine group is healthy, else 503; the body lists each instance."""
-        groups = {g.name: g for m in self.supervisor.model_names() for g in self.supervisor.groups_for(m)}
-        ok = bool(groups) and all(g.healthy for g in groups.values())
-        instances = {name: {"healthy": g.healthy, "in_flight": g.in_flight} for name, g in groups.items()}
+        groups = self.supervisor.groups
+        ok = bool(groups) and all(g.healthy for g in groups)
+        instances = {g.name: {"healthy": g.healthy, "in_flight": g.in_flight} for g in groups}
         return JSONResponse({"status": "ok" if ok else "unavailable", "instances": instances},
                             status_code=200 if ok else 503)
 

@@ -35,8 +35,7 @@ class TextGeneration:
         self.call = call
         self._tokenizer = tokenizer
         self._stops = stops
-        eos = () if call.sampling.ignore_eos else tokenizer.eos_token_ids
-        self._stop_ids = frozenset(call.sampling.stop_token_ids) | frozenset(eos)
+        self._stop_ids = frozenset(call.sampling.stop_token_ids)  # the model's EOS folded in by parse_request
         self._clock = clock
         self.finish_reason: str | None = None  # "stop" | "length", OpenAI's values
         self.usage: Usage | None = None

@@ -59,8 +59,8 @@ def test_byte_tokenizer_ids_are_bytes_then_specials():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_transformers_loads_the_directory_with_well_separated_logits(tmp_path, family):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    import torch
+    import transformers
     files = prepare_model(ModelConfig(name="s", source="synthetic:", seed=5, shape=SyntheticShape(family=family)),
                           None, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(files.directory)
