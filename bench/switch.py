@@ -95,7 +95,7 @@ def build_core(a: ModelFiles, b: ModelFiles, device: str, chunk_bytes: int, rest
                               models=(a.name, b.name), device=Device(device),
                               arena_bytes=weight_bytes(a) + weight_bytes(b) + KV_MARGIN, page_size=PAGE_SIZE,
                               host_kv_bytes=(restore_pages + 64) * slab, staging_chunk_bytes=chunk_bytes,
-                              slot_s=3600.0)  # only forced switches
+                              ttft_s=3600.0)  # rounds so long that only forced switches happen
     gc.collect()
     core = EngineCore(instance, [a, b], TPGroup(0, 1))
     core.substrate.slabs.fill_(0x5A)  # an untouched slab would read the zero page and flatter the restore

@@ -37,6 +37,20 @@ class Ablation(str, Enum):
     ROUND_ONLY = "round_only"  # all three off: the paper's baseline
 
 
+class SlotOrder(str, Enum):
+    """Which model's slot comes next in a cold-pool round."""
+
+    ROUND_ROBIN = "round-robin"  # models with work in config order, starting from the active one
+    LONGEST_QUEUE = "longest-queue"  # the active model first (no switch), then by queued work, most first
+
+
+class SlotLength(str, Enum):
+    """How a cold-pool round's budget (gamma * ttft_s, less predicted switches) is split into slots."""
+
+    DEMAND = "demand"  # in proportion to each model's predicted work (prefill + protected decode)
+    EQUAL = "equal"  # the same share for every model with work
+
+
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the weight/KV dtypes we serve
 DTYPES = tuple(DTYPE_BYTES)
 
@@ -93,8 +107,25 @@ class InstanceConfig:
     threads: int = 0  # torch threads per worker process; 0 = the machine's cores shared by all workers
     host_kv_bytes: int = 256 << 20  # per rank: host KV registry (HKVR) slabs; 0 turns HKVR off
     staging_chunk_bytes: int = 1 << 20  # next model's weights staged in KV-pool tails in chunks; 0 = off
-    slot_s: float = 0.5  # cold pools: longest a model keeps the group while another model has work
+    # cold pools: rounds of one slot per model with work, bounded by gamma * ttft_s (paper Eq. (5))
+    ttft_s: float = 2.0  # TTFT target: a model is revisited within gamma * ttft_s
+    tpot_s: float = 0.25  # time-per-output-token target: decode share per round (paper Eq. (4))
+    gamma: float = 0.8  # admission margin, < 1
+    slot_order: SlotOrder = SlotOrder.ROUND_ROBIN
+    slot_length: SlotLength = SlotLength.DEMAND
+    ablations: tuple[Ablation, ...] = ()  # mechanisms turned off: sp, hkvr, staging; round_only = all three
+    profile: str | None = None  # cost profile TOML (relative: to the config); None = measured at start-up
     debug_poison: bool = False  # NaN into every released region, freed page and dirtied chunk
+
+    def enabled(self, mechanism: Ablation) -> bool:
+        """Whether `mechanism` runs here: not ablated (round_only ablates all three) and configured on."""
+        if mechanism in self.ablations or Ablation.ROUND_ONLY in self.ablations:
+            return False
+        if mechanism is Ablation.HKVR:
+            return self.host_kv_bytes > 0
+        if mechanism is Ablation.STAGING:
+            return self.staging_chunk_bytes > 0
+        return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,6 +156,9 @@ def _kinds(cls: type) -> dict[str, _Kind]:
             kinds[f.name] = _Kind("choice", choices) if choices else _Kind("str")
         elif get_origin(hint) is tuple and get_args(hint) == (str, ...):
             kinds[f.name] = _Kind("strs")
+        elif get_origin(hint) is tuple and isinstance(get_args(hint)[0], type) and issubclass(get_args(hint)[0], Enum):
+            enum = get_args(hint)[0]
+            kinds[f.name] = _Kind("choices", tuple(m.value for m in enum), enum=enum)
         elif dataclasses.is_dataclass(hint):
             kinds[f.name] = _Kind("table", table=hint)
         else:  # a programming error, caught by any test that loads a config
@@ -212,11 +215,14 @@ def _convert(cls: type, key: str, kind: _Kind, value: Any, where: str, probs: Pr
     ok = {"bool": isinstance(value, bool), "int": is_int, "size": is_int,
           "float": is_int or isinstance(value, float),
           "str": isinstance(value, str), "choice": isinstance(value, str),
-          "strs": isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind.tag]
+          "strs": isinstance(value, list) and all(isinstance(v, str) for v in value)}.get(kind.tag)
+    if kind.tag == "choices":
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     if not ok:
         want = {"bool": "true or false", "int": "an integer", "size": _SIZE_WORDS, "float": "a number",
-                "str": "a string", "choice": "a string", "strs": "an array of strings"}[kind.tag]
-        what = "an array of non-strings" if kind.tag == "strs" and isinstance(value, list) else _a(value)
+                "str": "a string", "choice": "a string", "strs": "an array of strings",
+                "choices": "an array of strings"}[kind.tag]
+        what = "an array of non-strings" if kind.tag in ("strs", "choices") and isinstance(value, list) else _a(value)
         probs.add(where, f"{shown} is {what}; write {want}, e.g. {key} = {example}")
         return _BAD
     if kind.tag in ("int", "size"):
@@ -243,6 +249,13 @@ def _convert(cls: type, key: str, kind: _Kind, value: Any, where: str, probs: Pr
                       + ", ".join(toml_value(c) for c in kind.choices))
             return _BAD
         return kind.enum(value) if kind.enum else value
+    elif kind.tag == "choices":
+        bad = [v for v in value if v not in kind.choices]
+        if bad:
+            probs.add(where, f"{shown}: {', '.join(toml_value(b) for b in bad)} not allowed; use any of: "
+                      + ", ".join(toml_value(c) for c in kind.choices))
+            return _BAD
+        return tuple(kind.enum(v) for v in dict.fromkeys(value))
     return tuple(value) if kind.tag == "strs" else value
 
 

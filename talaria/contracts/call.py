@@ -11,8 +11,10 @@ detokenizing and stop strings live in the gateway, so the engine never sees text
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+
+from talaria.contracts.telemetry import InstanceStats  # noqa: F401  (a message of this transport)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,28 +96,6 @@ class CallOutput:
     committed_kv_tokens: int = 0  # KV the instance holds for this sequence after the call
     timings: CallTimings | None = None  # on the final record
     error: str | None = None  # with finish == ERROR
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceStats:
-    """Periodic load report from rank 0 (Prometheus gauges; telemetry grows from here)."""
-
-    instance: str
-    waiting: int
-    running: int
-    kv_pages_used: int
-    kv_pages_total: int
-    preemptions: int = 0
-    prefix_hit_tokens: int = 0
-    models: tuple[str, ...] = field(default=())
-    active_model: str | None = None  # the model whose weights are in the arena
-    host_restored_tokens: int = 0  # prompt tokens restored from the host KV registry (HKVR)
-    switches: int = 0  # model switches since start
-    last_switch: dict | None = None  # the last SwitchRecord, as JSON (per-rank phases, path, bytes)
-    substrate: dict = field(default_factory=dict)  # staging target, coverage, slack; HKVR use
-    # recent sessions: {session, model, kv_tokens, location: device | host | missing, device_tokens, host_tokens}
-    sessions: tuple[dict, ...] = ()
-    version: int = 0  # increases with every snapshot of this instance: a router can spot a stale one
 
 
 @dataclass(frozen=True, slots=True)

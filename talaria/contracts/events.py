@@ -16,8 +16,12 @@ from typing import Any
 
 class EventKind(str, Enum):
     SWITCH = "switch"  # data: the SwitchRecord (path, per-rank phases, bytes)
-    KV_CHECKPOINT = "kv_checkpoint"  # data: model, session, pages saved, pages published (TP-agreed)
-    KV_RESTORE = "kv_restore"  # data: model, session, tokens restored from host into device pages
+    KV_CHECKPOINT = "kv_checkpoint"  # data: model, seq_id, pages_saved, pages_published (TP-agreed)
+    KV_RESTORE = "kv_restore"  # data: model, session, request, tokens restored from host into device pages
+    ROUND = "round"  # data: round, start, wall_s = active_s + switch_s, p_s, d_s, sp_s, sp_admitted, sp_parked, slots
+    SLOT_PHASE = "slot_phase"  # data: model, phase (P | D1 | SP | D | Dfin), round, start, duration_s, steps, tokens
+    SP_ADMIT = "sp_admit"  # data: model, session, request, tokens, cached_tokens, restored_tokens, round, opportunity
+    SP_PARK = "sp_park"  # data: model, session, request, reason (budget | kv | slot-closed | sp-off), round
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,41 +68,64 @@ class Batcher:
     # ---- planning --------------------------------------------------------------------------
 
     def plan(self, now: float) -> StepPlan | None:
+        """Plain continuous batching (hot instances): decodes, then prefill chunks, then admissions."""
         budget = self.max_batch_tokens
+        chunks = self.decode_chunks(budget)
+        budget -= len(chunks)
+        prefill = self.prefill_chunks([s for s in self.running if s.is_prefilling], budget)
+        chunks += prefill
+        budget -= sum(len(c.token_ids) for c in prefill)
+        while budget > 0 and self.waiting:
+            seq = self.waiting[0]
+            if not self.admit(seq, now):
+                break  # FIFO: a prompt that does not fit yet holds the queue
+            chunks.append(self.chunk(seq, budget, admitted=True))
+            budget -= len(chunks[-1].token_ids)
+        return StepPlan(self.model, tuple(chunks)) if chunks else None
+
+    @property
+    def decoding(self) -> list[Sequence]:
+        """Running sequences whose prompt is done: one token each per decode step."""
+        return [s for s in self.running if not s.is_prefilling]
+
+    def decode_chunks(self, budget: int) -> list[SeqChunk]:
+        """One token for every decoding sequence (up to `budget`), preempting the newest on KV pressure."""
         chunks: list[SeqChunk] = []
         planned: set[int] = set()
-        for seq in list(self.running):  # decodes first
-            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling or budget == 0:
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling or len(chunks) == budget:
                 continue
             if not self._reserve_slot(seq, planned):
                 continue
-            chunks.append(self._chunk(seq, 1))
+            chunks.append(self.chunk(seq, 1))
             planned.add(seq.seq_id)
-            budget -= 1
-        for seq in self.running:  # then prompts already prefilling
-            if budget == 0:
-                break
-            if seq.is_prefilling and seq.seq_id not in planned:
-                n = min(seq.num_uncomputed, budget)
-                chunks.append(self._chunk(seq, n))
-                planned.add(seq.seq_id)
-                budget -= n
-        while budget > 0 and self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if not self._admit(seq, now):
-                break  # FIFO: a prompt that does not fit yet holds the queue
-            self.waiting.popleft()
-            n = min(seq.num_uncomputed, budget)
-            chunks.append(self._chunk(seq, n, admitted=True))
-            planned.add(seq.seq_id)
-            budget -= n
-        return StepPlan(self.model, tuple(chunks)) if chunks else None
+        return chunks
 
-    def _chunk(self, seq: Sequence, n: int, admitted: bool = False) -> SeqChunk:
+    def prefill_chunks(self, seqs: list[Sequence], budget: int) -> list[SeqChunk]:
+        """The next prompt chunk of each running, still-prefilling sequence in `seqs`, within `budget` tokens."""
+        chunks = []
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is SeqStatus.RUNNING and seq.is_prefilling:
+                chunks.append(self.chunk(seq, budget))
+                budget -= len(chunks[-1].token_ids)
+        return chunks
+
+    def chunk(self, seq: Sequence, budget: int, admitted: bool = False) -> SeqChunk:
+        """The next `budget` (at most) uncomputed tokens of `seq`; `admitted`: its first chunk since admission."""
         start = seq.num_computed
+        n = min(seq.num_uncomputed, budget)
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:start + n]), start,
                         tuple(seq.page_table), start + n == len(seq.token_ids),
                         tuple(seq.token_ids[:start]) if admitted else ())
+
+    def reusable(self, seq: Sequence) -> tuple[int, int]:
+        """(device pages, host pages) of `seq`'s prompt prefix this instance holds: no side effects."""
+        usable = self._usable(seq)
+        on_device = len(self.pages.match_prefix(usable))
+        on_host = len(self.host.peek(self.model, usable)) if self.host is not None else 0
+        return on_device, max(0, on_host - on_device)
 
     def _reserve_slot(self, seq: Sequence, planned: set[int]) -> bool:
         """Make room for one more token of a decoding sequence, preempting if needed."""
@@ -119,10 +142,17 @@ class Batcher:
         seq.page_table += self.pages.allocate(1)
         return True
 
-    def _admit(self, seq: Sequence, now: float) -> bool:
-        hashes = self._hash_chain(seq)
+    def _usable(self, seq: Sequence) -> list[int]:
         # keep at least one token to compute: the step must produce logits for the next token
-        usable = hashes[: (len(seq.token_ids) - 1) // self.pages.page_size]
+        return self._hash_chain(seq)[: (len(seq.token_ids) - 1) // self.pages.page_size]
+
+    def admit(self, seq: Sequence, now: float) -> bool:
+        """Take a waiting sequence into the running set: prefix hits, host restores, fresh pages.
+
+        False (and nothing changes) when the pool cannot hold its prompt yet or max_running is reached."""
+        if len(self.running) >= self.max_running:
+            return False
+        usable = self._usable(seq)
         cached = self.pages.match_prefix(usable)
         newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
         need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
@@ -149,6 +179,7 @@ class Batcher:
         if seq.first_scheduled is None:
             seq.first_scheduled = now
         seq.status = SeqStatus.RUNNING
+        self.waiting.remove(seq)
         self.running.append(seq)
         return True
 

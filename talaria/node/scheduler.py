@@ -1,11 +1,11 @@
 """The instance scheduler on rank 0: calls in, one plan per step, CallOutputs back.
 
-It owns a Batcher per model the instance serves. One model is active in the arena at a time; the
-active model keeps the group while it has work, for at most `slot_s` while another model waits,
-then the next model with work (round-robin) is opened by a SwitchPlan. A forced switch (the admin
-API) goes first. (The cold-pool round scheduler with session-prefill replaces this choice with
-slots and rounds.) Time comes from an injected clock so tests and the simulator drive it
-deterministically.
+It owns a Batcher per model the instance serves, and one model is active in the arena at a time.
+A hot instance batches its one model continuously. A cold instance asks its RoundScheduler what
+comes next: a switch at a slot boundary, or a step of one slot phase (P, D, SP). A forced switch
+(the admin API) goes first and closes the round. The scheduler adds the memory ops to each step,
+turns finished steps into CallOutputs, and keeps the telemetry snapshot. Time comes from an
+injected clock so tests and the simulator drive it deterministically.
 """
 
 from __future__ import annotations
@@ -19,38 +19,47 @@ from talaria.contracts.call import (
     CallTimings,
     FinishReason,
     InstanceCall,
-    InstanceStats,
     Usage,
 )
 from talaria.contracts.events import Event, EventKind
+from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
 from talaria.node.batcher import Batcher
 from talaria.node.memory.host_kv_registry import RankReport
 from talaria.node.memory.planner import MemoryPlanner
+from talaria.node.round_scheduler import RoundScheduler, Switch
 from talaria.node.sequence import SeqStatus, Sequence
 from talaria.node.step_plan import StepPlan, SwitchPlan
 
 MAX_SESSIONS_SHOWN = 256  # recent sessions whose KV location telemetry reports
+MAX_SESSIONS_KNOWN = 100_000  # sessions remembered as served here (SP admits only their continuations)
 
 
 class Scheduler:
     def __init__(self, instance: str, batchers: dict[str, Batcher], clock: Callable[[], float],
-                 memory: MemoryPlanner, slot_s: float = 0.5) -> None:
+                 memory: MemoryPlanner, rounds: Callable[..., RoundScheduler] | None = None,
+                 version_base: int = 0) -> None:
+        """`rounds` builds the cold pool's RoundScheduler from (batchers, clock, emit, switch_path,
+        known_session); None makes a hot instance (one model, continuous batching). Snapshot versions
+        count up from `version_base`: a restarted instance passes a larger one (its start time), so
+        its snapshots still look newer than its predecessor's."""
         self.instance = instance
         self.batchers = batchers
         self.clock = clock
         self.memory = memory
-        self.slot_s = slot_s
+        self._known: OrderedDict[str, None] = OrderedDict()  # sessions served here, most recent last
+        self.rounds = None if rounds is None else rounds(batchers, clock, self._emit, self._switch_path,
+                                                         self._known.__contains__)
         self._seqs: dict[int, Sequence] = {}
         self._by_request: dict[str, Sequence] = {}
         self._ids = count()
         self._order = list(batchers)
         self.active: str | None = None
-        self._slot_start = 0.0
         self._forced: str | None = None
         self.switches: list = []  # SwitchRecords, oldest first
         self._sessions: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()  # id -> (model, hashes)
         self._events: list[Event] = []  # since the last drain_events()
-        self._stats_version = 0
+        self._stats_version = version_base
+        self.switch_count = 0
 
     @property
     def has_work(self) -> bool:
@@ -98,58 +107,78 @@ class Scheduler:
 
     def plan(self) -> StepPlan | SwitchPlan | None:
         """The next thing to run: a switch, or a step of the active model (maybe only memory ops)."""
-        target = self._switch_target()
-        if target is not None:
-            outgoing = self.batchers[self.active] if self.active is not None else None
-            if outgoing is not None:
-                outgoing.suspend()
-            return self.memory.switch_plan(target, outgoing)
+        forced, self._forced = self._forced, None
+        if forced is not None and forced != self.active:
+            if self.rounds is not None:
+                self.rounds.interrupt()
+            return self._switch(forced)
+        if self.rounds is None:
+            step = self.batchers[self.active].plan(self.clock())
+            chunks = step.chunks if step is not None else ()
+        else:
+            decision = self.rounds.next(self.active)
+            if isinstance(decision, Switch):
+                return self._switch(decision.model)
+            chunks = decision.chunks if decision is not None else ()
         batcher = self.batchers[self.active]
-        plan = batcher.plan(self.clock())
-        ops = self.memory.ops(batcher, idle=plan is None)
+        ops = self.memory.ops(batcher, idle=not chunks)
         for seq, restored in batcher.restored:
             self._emit(EventKind.KV_RESTORE, model=self.active, session=seq.call.session_id,
                        request=seq.call.request_id, tokens=restored)
         batcher.restored.clear()
-        if plan is None and not ops:
+        if not chunks and not ops:
             return None
-        return StepPlan(self.active, plan.chunks if plan else (), ops)
+        return StepPlan(self.active, chunks, ops)
 
-    def _switch_target(self) -> str | None:
-        forced, self._forced = self._forced, None
-        if forced is not None and forced != self.active:
-            return forced
-        if self.active is None:
-            return self._order[0]
-        waiting = [m for m in self._rotation() if self.batchers[m].has_work]
-        if not waiting:
-            return None
-        if not self.batchers[self.active].has_work or self.clock() - self._slot_start >= self.slot_s:
-            return waiting[0]
-        return None
+    def _switch(self, model: str) -> SwitchPlan:
+        outgoing = self.batchers[self.active] if self.active is not None else None
+        if outgoing is not None:
+            outgoing.suspend()
+        return self.memory.switch_plan(model, outgoing)
+
+    def _switch_path(self, model: str) -> str:
+        """The load path a switch to `model` would take now: how much of it staging covers."""
+        stager = self.memory.stager
+        if stager is None or stager.target_model != model:
+            return "h2d_only"
+        coverage = stager.coverage()
+        return "full_d2d" if coverage >= 1.0 else "partial" if coverage > 0 else "h2d_only"
 
     def _rotation(self) -> list[str]:
         """The other models, in round-robin order after the active one."""
         i = self._order.index(self.active) if self.active in self._order else -1
         return [self._order[(i + k) % len(self._order)] for k in range(1, len(self._order))]
 
+    def _next_model(self) -> str | None:
+        """The model expected after the active one: the round's next slot, else the rotation's next."""
+        r = self.rounds.round if self.rounds is not None else None
+        if r is not None:
+            upcoming = [m for m in r.queue if m != self.active]
+            if upcoming:
+                return upcoming[0]
+        rotation = self._rotation()
+        return rotation[0] if rotation else None
+
     def switched(self, plan: SwitchPlan, record, reports: list[list[RankReport]]) -> None:
         """The group opened plan.model: settle the agreed saves, hand the batcher its fresh pool."""
         if plan.ops.agree:
             self._checkpointed(self.memory.agreed(plan.ops.agree, reports))
         self.active = plan.model
-        self._slot_start = self.clock()
         self.batchers[plan.model].resume(self.memory.new_pool(plan.model))
-        rotation = self._rotation()
-        self.memory.switched(plan.model, rotation[0] if rotation else None)
+        self.memory.switched(plan.model, self._next_model())
+        if self.rounds is not None:
+            self.rounds.committed()
         if record is not None:
             self.switches.append(record)
+            self.switch_count += 1
             del self.switches[:-16]
             self._emit(EventKind.SWITCH, **record.to_dict())
 
     def commit(self, plan: StepPlan, sampled: dict[int, int], step_s: float,
                reports: list[list[RankReport]] | None = None) -> list[CallOutput]:
         now = self.clock()
+        if self.rounds is not None:
+            self.rounds.committed(step_s)
         batcher = self.batchers[plan.model]
         batcher.step_done()
         if plan.ops is not None and plan.ops.agree:
@@ -173,6 +202,10 @@ class Scheduler:
             return CallOutput(seq.call.request_id, new, committed_kv_tokens=seq.num_computed)
         self.memory.finished(seq.seq_id)
         if seq.call.session_id is not None:
+            self._known[seq.call.session_id] = None
+            self._known.move_to_end(seq.call.session_id)
+            if len(self._known) > MAX_SESSIONS_KNOWN:
+                self._known.popitem(last=False)
             self._sessions[seq.call.session_id] = (seq.model, seq.page_hashes)
             self._sessions.move_to_end(seq.call.session_id)
             while len(self._sessions) > MAX_SESSIONS_SHOWN:
@@ -233,8 +266,22 @@ class Scheduler:
             models=tuple(self.batchers),
             active_model=self.active,
             host_restored_tokens=sum(b.restored_tokens for b in bs),
-            switches=len(self.switches),
+            switches=self.switch_count,
             last_switch=last,
             substrate=self.memory.telemetry(),
             sessions=self.session_states(),
+            pool="hot" if self.rounds is None else "cold",
+            staged_model=self.memory.stager.target_model if self.memory.stager is not None else None,
+            queues=tuple(ModelQueue(m, len(b.waiting), len(b.running), m == self.active)
+                         for m, b in self.batchers.items()),
+            rounds=self._round_state(),
+            last_switches=tuple(r.to_dict() for r in self.switches[-4:]),
+            time=self.clock(),
         )
+
+    def _round_state(self) -> RoundState | None:
+        if self.rounds is None:
+            return None
+        t = self.rounds.telemetry()
+        return RoundState(t["round"], t["round_remaining_s"], t["slot"], t["deadline_risk"], t["sp_admitted"],
+                          t["sp_parked"], tuple(t["rounds"]), t["cost_scale"])

@@ -10,10 +10,11 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from talaria.config.schema import InstanceConfig, TalariaConfig
-from talaria.contracts.call import InstanceStats
+from talaria.contracts.telemetry import InstanceStats
 from talaria.models.arch import ModelArch
 from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.tokenizer import Tokenizer
@@ -63,14 +64,20 @@ class Supervisor:
         """Start every instance's engine group concurrently; raise if any cannot start."""
         if not self.files:
             self.prepare()
-        self.groups = [EngineGroup(inst, [self.files[m] for m in inst.models], worker_threads(self.config, inst),
-                                   on_events=self.events.append)
+        self.groups = [EngineGroup(self._resolved(inst), [self.files[m] for m in inst.models],
+                                   worker_threads(self.config, inst), on_events=self.events.append)
                        for inst in self.config.instances]
         results = await asyncio.gather(*(g.start() for g in self.groups), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.stop()
             raise errors[0]
+
+    def _resolved(self, inst: InstanceConfig) -> InstanceConfig:
+        """The instance with its profile path made absolute (relative paths are to the config)."""
+        if inst.profile is None or self.config.path is None or Path(inst.profile).expanduser().is_absolute():
+            return inst
+        return replace(inst, profile=str(self.config.path.parent / Path(inst.profile).expanduser()))
 
     async def stop(self) -> None:
         await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)

@@ -20,7 +20,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from talaria.contracts.call import InstanceStats, Usage
+from talaria.contracts.call import Usage
+from talaria.contracts.telemetry import InstanceStats
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ class InstanceStatsCollector:
         total = GaugeMetricFamily("talaria_kv_pages_total", "KV cache pages in the pool", labels=["instance"])
         usage = GaugeMetricFamily("talaria_kv_usage_ratio", "KV pages used / total (0..1)", labels=["instance"])
         preempt = CounterMetricFamily("talaria_preemptions", "Sequences preempted", labels=["instance"])
+        switches = CounterMetricFamily("talaria_model_switches", "Model switches", labels=["instance"])
+        sp = CounterMetricFamily("talaria_sp_returns", "Continuations returning mid-slot, by outcome",
+                                 labels=["instance", "outcome"])
+        risk = CounterMetricFamily("talaria_deadline_risk", "Round-budget shortfalls reported by the round "
+                                   "scheduler", labels=["instance", "reason"])
         for s in stats:
             label = [s.instance]
             waiting.add_metric(label, s.waiting)
@@ -56,7 +62,13 @@ class InstanceStatsCollector:
             total.add_metric(label, s.kv_pages_total)
             usage.add_metric(label, s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0)
             preempt.add_metric(label, s.preemptions)
-        yield from (waiting, running, used, total, usage, preempt)
+            switches.add_metric(label, s.switches)
+            if s.rounds is not None:
+                sp.add_metric([s.instance, "admitted"], s.rounds.sp_admitted)
+                sp.add_metric([s.instance, "parked"], s.rounds.sp_parked)
+                for reason, n in s.rounds.deadline_risk.items():
+                    risk.add_metric([s.instance, reason], n)
+        yield from (waiting, running, used, total, usage, preempt, switches, sp, risk)
 
 
 class GatewayMetrics:

@@ -11,113 +11,27 @@ of weights) 8 KV pages, "b" (1280 bytes) 7 pages and "c" (768 bytes) 9 pages; th
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-
 import pytest
 
 from talaria.contracts.call import (
     CallOutput,
     CallTimings,
     FinishReason,
-    InstanceCall,
-    SamplingParams,
     Usage,
 )
-from talaria.node.batcher import Batcher
-from talaria.node.memory.bump_layout import BumpLayout
-from talaria.node.memory.host_kv_registry import HostKVRegistry, RankReport
-from talaria.node.memory.page_manager import ROOT_HASH, PageManager, page_hash
-from talaria.node.memory.planner import MemoryPlanner, full_h2d
-from talaria.node.memory.rank_ledger import RankLedger
-from talaria.node.scheduler import Scheduler
+from talaria.node.memory.host_kv_registry import RankReport
+from talaria.node.memory.planner import full_h2d
 from talaria.node.sequence import SeqStatus
 from talaria.node.step_plan import MemoryOps, SaveOp, SeqChunk, StepPlan, SwitchPlan
-from tests.node.copy_events import CopyEventsStandIn
-
-PS = 4
-PAGE_BYTES = 256
-WEIGHTS = {"a": 1024, "b": 1280, "c": 768}
-PAGES = {"a": 8, "b": 7, "c": 9}  # what the layout leaves each model (checked below)
-PROMPT = (10, 11, 12, 13, 14, 15)
-SLOT_S = 0.5
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
-class Instance:
-    """A scheduler wired as EngineCore wires it on rank 0, plus a one-rank stand-in for the runners."""
-
-    scheduler: Scheduler
-    memory: MemoryPlanner
-    host: HostKVRegistry
-    events: CopyEventsStandIn
-    clock: FakeClock
-    ledger: RankLedger  # what the (single) runner rank has written into its KV, per sequence
-
-    def reports(self, agree: Seq[tuple[int, int]]) -> list[list[RankReport]]:
-        return [[self.ledger.report(seq_id) for _, seq_id in agree]]
-
-    def run(self, plan: StepPlan | SwitchPlan, token: int = 50, step_s: float = 0.0) -> list[CallOutput]:
-        """Run `plan` as the engine group would; every sampling chunk draws `token`."""
-        if isinstance(plan, SwitchPlan):
-            self.scheduler.switched(plan, None, self.reports(plan.ops.agree))
-            return []
-        for c in plan.chunks:
-            self.ledger.record(c.seq_id, c.start_pos, c.token_ids)
-        ops = plan.ops or MemoryOps()
-        reports = self.reports(ops.agree) if ops.agree else None
-        outputs = self.scheduler.commit(plan, {c.seq_id: token for c in plan.chunks if c.sample}, step_s, reports)
-        for seq_id in ops.forget:
-            self.ledger.forget(seq_id)
-        return outputs
-
-    def step(self, token: int = 50, step_s: float = 0.0) -> tuple[StepPlan | SwitchPlan | None, list[CallOutput]]:
-        plan = self.scheduler.plan()
-        return plan, ([] if plan is None else self.run(plan, token, step_s))
-
-
-def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, slot_s: float = SLOT_S) -> Instance:
-    """An instance serving `models`, the first one opened at `now` (as EngineCore does at start)."""
-    layout = BumpLayout(3584, 256)
-    for m in models:
-        layout.register(m, WEIGHTS[m], PAGE_BYTES)
-    host = HostKVRegistry(16, PAGE_BYTES)
-    events = CopyEventsStandIn()
-    memory = MemoryPlanner(layout, {m: WEIGHTS[m] for m in models}, PS, host, None, False,
-                           events.copies_done, events.staging_done, events.wait_copies, events.wait_staging)
-    batchers = {m: Batcher(m, PageManager(layout.plan(m).num_pages, PS), max_batch_tokens, 8, 64, (2,), host)
-                for m in models}
-    clock = FakeClock(now)
-    s = Scheduler("inst0", batchers, clock, memory, slot_s)
-    s.switched(SwitchPlan(models[0], full_h2d(WEIGHTS[models[0]])), None, [])
-    return Instance(s, memory, host, events, clock, RankLedger(0, PS))
-
-
-def call(request_id: str, model: str = "a", prompt: Seq[int] = PROMPT, max_tokens: int = 16) -> InstanceCall:
-    return InstanceCall(request_id, model, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
-
-
-def chain(tokens: Seq[int]) -> list[int]:
-    """Cumulative hashes of the full pages of `tokens`, as every rank and the registry compute them."""
-    out: list[int] = []
-    for i in range(len(tokens) // PS):
-        out.append(page_hash(out[-1] if out else ROOT_HASH, tokens[i * PS:(i + 1) * PS], PS))
-    return out
-
-
-def kind(plan: StepPlan | SwitchPlan | None) -> str | None:
-    """'a' for a step of model a, '-> b' for a switch to b."""
-    if isinstance(plan, SwitchPlan):
-        return f"-> {plan.model}"
-    return None if plan is None else plan.model
+from tests.node.scheduler_harness import (
+    PAGES,
+    PROMPT,
+    WEIGHTS,
+    call,
+    chain,
+    instance,
+    kind,
+)
 
 
 def test_the_toy_layout_gives_each_model_its_own_pool_size():
@@ -142,29 +56,6 @@ def test_the_active_model_keeps_stepping_while_no_other_model_waits():
     assert inst.scheduler.active == "a"
 
 
-def test_another_models_work_switches_only_once_the_slot_has_elapsed():
-    inst = instance("a", "b", now=1.0)  # a's slot starts at 1.0
-    inst.scheduler.add(call("ra", "a"))
-    inst.scheduler.add(call("rb", "b"))
-    seen = []
-    for t in (1.0, 1.25, 1.4375, 1.5):
-        inst.clock.now = t
-        plan = inst.scheduler.plan()
-        seen.append((t, kind(plan)))
-        if not isinstance(plan, SwitchPlan):
-            inst.run(plan)
-    assert seen == [(1.0, "a"), (1.25, "a"), (1.4375, "a"), (1.5, "-> b")]
-    inst.clock.now = 1.625  # the switch took 0.125 s: b's slot starts when it is open
-    inst.run(plan)
-    assert inst.scheduler.active == "b"
-    seen = []
-    for t in (1.75, 2.0, 2.0625, 2.125):
-        inst.clock.now = t
-        plan, _ = inst.step()
-        seen.append((t, kind(plan)))
-    assert seen == [(1.75, "b"), (2.0, "b"), (2.0625, "b"), (2.125, "-> a")]
-
-
 def test_the_switch_comes_at_once_when_the_active_model_has_no_work():
     inst = instance("a", "b")
     inst.clock.now = 0.125
@@ -180,33 +71,6 @@ def test_the_switch_comes_at_once_when_the_active_model_has_no_work():
         seen.append(kind(plan))
     # b prefills and decodes its last token inside its slot, then hands over without waiting
     assert seen == ["b", "b", "-> a"]
-
-
-def test_the_switch_targets_the_next_model_with_work_after_the_active_one():
-    inst = instance("a", "b", "c")
-    for m in "abc":
-        inst.scheduler.add(call(f"r{m}", m, max_tokens=40))
-    switches = []
-    for i in range(12):
-        inst.clock.now = i * 0.25  # a slot holds the switch's own plan and one step
-        plan, _ = inst.step()
-        if isinstance(plan, SwitchPlan):
-            switches.append((inst.clock.now, plan.model))
-    # from b, both a and c wait: c comes first because it follows b
-    assert switches == [(0.5, "b"), (1.0, "c"), (1.5, "a"), (2.0, "b"), (2.5, "c")]
-
-
-def test_round_robin_skips_a_model_without_work():
-    inst = instance("a", "b", "c")
-    inst.scheduler.add(call("ra", "a", max_tokens=40))
-    inst.scheduler.add(call("rc", "c", max_tokens=40))
-    switches = []
-    for i in range(9):
-        inst.clock.now = i * 0.25
-        plan, _ = inst.step()
-        if isinstance(plan, SwitchPlan):
-            switches.append((inst.clock.now, plan.model))
-    assert switches == [(0.5, "c"), (1.0, "a"), (1.5, "c"), (2.0, "a")]
 
 
 def test_a_forced_switch_goes_first_at_the_next_plan():
@@ -259,8 +123,8 @@ P0 = (20, 21, 22, 23, 24)  # one full page
 P1 = (10, 11, 12, 13, 14, 15, 16)
 
 
-def a_serving_with_b_waiting() -> Instance:
-    """a finishes r0 and runs r1 for three tokens while b's call arrives; a's slot ends at 0.5."""
+def a_serving_with_b_waiting():
+    """a finishes r0 and runs r1 for three tokens while b's call arrives."""
     inst = instance("a", "b")
     inst.scheduler.add(call("r0", "a", P0, max_tokens=1))
     inst.scheduler.add(call("r1", "a", P1, max_tokens=5))
@@ -281,6 +145,7 @@ def test_a_switch_preempts_the_outgoing_models_sequences_and_saves_their_full_pa
     a = inst.scheduler.batchers["a"]
     b_pool = inst.scheduler.batchers["b"].pages
     inst.clock.now = 0.5
+    inst.scheduler.force_switch("b")  # the switch itself is what this test is about
     plan = inst.scheduler.plan()
     # r1 has KV for 9 tokens: pages 2 and 3 are full and go to slabs 1 and 2; the plan also settles
     # r0's save, still pending, so the outgoing pool is left with nothing in flight
@@ -306,6 +171,7 @@ def test_a_switch_preempts_the_outgoing_models_sequences_and_saves_their_full_pa
 def test_the_preempted_sequence_is_restored_from_host_when_its_model_is_active_again():
     inst = a_serving_with_b_waiting()
     inst.clock.now = 0.5
+    inst.scheduler.force_switch("b")
     inst.step()  # -> b
     inst.clock.now = 0.75
     plan, out = inst.step(60)

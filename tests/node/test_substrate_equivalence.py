@@ -18,7 +18,7 @@ from tests.node.reference import ReferenceLlama
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 SUBSTRATE = dict(pool=Pool.COLD, page_size=4, debug_poison=True, staging_chunk_bytes=4096,
-                 host_kv_bytes=8 << 20, slot_s=60.0)
+                 host_kv_bytes=8 << 20, ttft_s=3600.0)
 
 
 @pytest.fixture(scope="module")

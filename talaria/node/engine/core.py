@@ -13,11 +13,14 @@ from collections.abc import Callable
 
 import torch
 
-from talaria.config.schema import InstanceConfig
+from talaria.config.schema import Ablation, InstanceConfig, Pool
 from talaria.contracts.call import CallOutput, InstanceCall, InstanceStats
+from talaria.contracts.profile import Profile, load_profile
 from talaria.models.source import ModelFiles
 from talaria.node.batcher import Batcher
+from talaria.node.cost_model import CostModel
 from talaria.node.engine.arena import ALIGN
+from talaria.node.engine.calibrate import calibrate
 from talaria.node.engine.parallel import TPGroup
 from talaria.node.engine.runner import run_step
 from talaria.node.engine.sampler import Sampler
@@ -28,6 +31,7 @@ from talaria.node.memory.planner import MemoryPlanner, full_h2d
 from talaria.node.memory.rank_ledger import RankLedger, TestOnlyFault
 from talaria.node.memory.stager import Stager
 from talaria.node.memory.switch_record import SwitchRecord
+from talaria.node.round_scheduler import RoundConfig, RoundScheduler
 from talaria.node.scheduler import Scheduler
 from talaria.node.step_plan import MemoryOps, StepPlan, StopPlan, SwitchPlan
 
@@ -43,24 +47,37 @@ class EngineCore:
         self.ledger = RankLedger(group.rank, instance.page_size, fault)
         self.scheduler: Scheduler | None = None
         self.sampler: Sampler | None = None
+        self.profile: Profile | None = None
         first = models[0].name
-        if group.rank == 0:
-            ps = instance.page_size
-            host = HostKVRegistry(sub.num_slabs, sub.slab_bytes) if sub.num_slabs else None
-            stager = Stager(instance.staging_chunk_bytes, ALIGN) if instance.staging_chunk_bytes and len(models) > 1 \
-                else None
-            memory = MemoryPlanner(sub.layout, {n: img.nbytes for n, img in sub.images.items()}, ps, host, stager,
-                                   instance.debug_poison, sub.save_done, sub.staging_done, sub.wait_save,
-                                   sub.wait_staging)
-            batchers = {m.name: Batcher(m.name, PageManager(sub.layout.plan(m.name).num_pages, ps),
-                                        instance.max_batch_tokens, instance.max_running, m.arch.max_position,
-                                        m.arch.eos_token_ids, host) for m in models}
-            self.scheduler = Scheduler(instance.name, batchers, clock, memory, instance.slot_s)
-            self.sampler = Sampler()
         opening = SwitchPlan(first, full_h2d(sub.images[first].nbytes))
         sub.activate(first, opening.gather, lambda: None)
-        if self.scheduler is not None:
+        if group.rank == 0:
+            if instance.pool is Pool.COLD or len(models) > 1:  # rounds, budgeted from predicted costs
+                self.profile = load_profile(instance.profile) if instance.profile else calibrate(self)
+            self.scheduler = self._scheduler(models, clock)
             self.scheduler.switched(opening, None, [])
+            self.sampler = Sampler()
+
+    def _scheduler(self, models: list[ModelFiles], clock: Callable[[], float]) -> Scheduler:
+        inst, sub, ps = self.instance, self.substrate, self.instance.page_size
+        host = HostKVRegistry(sub.num_slabs, sub.slab_bytes) if sub.num_slabs and inst.enabled(Ablation.HKVR) \
+            else None
+        stager = Stager(inst.staging_chunk_bytes, ALIGN) \
+            if inst.enabled(Ablation.STAGING) and len(models) > 1 else None
+        memory = MemoryPlanner(sub.layout, {n: img.nbytes for n, img in sub.images.items()}, ps, host, stager,
+                               inst.debug_poison, sub.save_done, sub.staging_done, sub.wait_save, sub.wait_staging)
+        batchers = {m.name: Batcher(m.name, PageManager(sub.layout.plan(m.name).num_pages, ps),
+                                    inst.max_batch_tokens, inst.max_running, m.arch.max_position,
+                                    m.arch.eos_token_ids, host) for m in models}
+        rounds = None
+        if self.profile is not None:
+            config = RoundConfig(inst.ttft_s, inst.tpot_s, inst.gamma, inst.enabled(Ablation.SP), inst.slot_order,
+                                 inst.slot_length, inst.max_batch_tokens)
+            costs = CostModel(self.profile)
+
+            def rounds(batchers, clock, emit, switch_path, known):
+                return RoundScheduler(batchers, costs, clock, config, emit, switch_path, known, ps)
+        return Scheduler(inst.name, batchers, clock, memory, rounds, version_base=time.time_ns() // 1000)
 
     @property
     def pages(self) -> int:

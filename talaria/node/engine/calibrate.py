@@ -1,0 +1,179 @@
+"""Measure this machine's costs for a profile: prefill, decode, switches and copy bandwidth.
+
+A cold instance needs predicted costs to budget its rounds. Without a profile file it calibrates at
+start-up: rank 0 broadcasts probe steps through the engine group exactly as it broadcasts real steps
+(so TP communication is in the numbers), times them, and fits the profile's curves. Probes use
+scratch KV pages of a fresh pool and publish nothing, so no prefix cache or host KV state is left
+behind. Each model is opened once by a full H2D switch, whose five-phase record becomes the
+profile's `h2d_only` switch cost; the first model is opened again at the end.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+import torch
+
+from talaria.config.schema import Device
+from talaria.contracts.profile import (
+    Bandwidth,
+    ModelProfile,
+    Profile,
+    SwitchCost,
+    fit_decode,
+    fit_prefill,
+)
+from talaria.node.memory.planner import full_h2d
+from talaria.node.memory.switch_record import SwitchRecord
+from talaria.node.step_plan import MemoryOps, SeqChunk, StepPlan, SwitchPlan
+
+if TYPE_CHECKING:
+    from talaria.node.engine.core import EngineCore
+
+PROBE_ID = -1_000_000  # sequence ids of probes: below anything a scheduler hands out
+
+
+@dataclass(frozen=True, slots=True)
+class Probes:
+    """Which shapes to time; `quick` for start-up, a longer list for `talaria profile`."""
+
+    prefill_tokens: tuple[int, ...] = (16, 64, 256)
+    cached_tokens: tuple[int, ...] = (256,)  # prefix lengths for prefill-with-cached-prefix probes
+    decode_batches: tuple[int, ...] = (1, 4, 8)
+    decode_contexts: tuple[int, ...] = (32, 256)
+    repeats: int = 3  # timed runs per shape (after one warm-up); the fastest counts
+    copy_bytes: int = 32 << 20
+
+
+def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration",
+              progress: Callable[[str], None] | None = None) -> Profile:
+    """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile."""
+    sub, inst = core.substrate, core.instance
+    names = list(sub.images)
+    models = {}
+    for i, name in enumerate(names):
+        record = _open(core, name) if name != sub.active else None
+        if progress:
+            progress(f"calibrating {name} ({i + 1}/{len(names)})")
+        models[name] = _model_profile(core, name, probes, record)
+    if sub.active != names[0]:
+        record = _open(core, names[0])
+        models[names[0]] = _with_switch(models[names[0]], record)
+    cuda = inst.device is Device.CUDA
+    return Profile(
+        hardware=_hardware(inst.device, torch.get_num_threads()),
+        device=inst.device.value,
+        tp=inst.tp,
+        device_bytes=torch.cuda.get_device_properties(sub.arena.device).total_memory if cuda else inst.arena_bytes,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        method=method,
+        bandwidth=_bandwidth(sub.arena.device, probes.copy_bytes),
+        models=models,
+    )
+
+
+def _open(core: EngineCore, name: str) -> SwitchRecord | None:
+    plan = SwitchPlan(name, full_h2d(core.substrate.images[name].nbytes))
+    core.group.broadcast_object(plan)
+    record, _ = core._switch(plan)
+    return record
+
+
+def _with_switch(profile: ModelProfile, record: SwitchRecord | None) -> ModelProfile:
+    if record is None:
+        return profile
+    slowest = max(record.ranks, key=lambda r: r.total_ms)
+    cost = SwitchCost("h2d_only", tuple(ms / 1000 for ms in slowest.phase_ms))
+    return ModelProfile(profile.name, profile.weights_bytes, profile.kv_bytes_per_token, profile.prefill,
+                        profile.decode, {**profile.switch, "h2d_only": cost},
+                        {**profile.sources, "switch.h2d_only": "measured: a full H2D open at calibration"})
+
+
+def _model_profile(core: EngineCore, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
+    sub, ps = core.substrate, core.instance.page_size
+    capacity = sub.plan.num_pages * ps
+    limit = min(core.instance.max_batch_tokens, capacity - ps)
+    prefill = []
+    for n in (t for t in probes.prefill_tokens if t <= limit):
+        prefill.append((n, 0, _time(core, probes, [_chunk(core, 0, 0, n)])))
+    for cached in (c for c in probes.cached_tokens if c + ps <= capacity):
+        for n in (t for t in probes.prefill_tokens if t <= limit and cached + t <= capacity):
+            _time(core, probes, [_chunk(core, 0, 0, cached)], repeats=0)  # its KV, for the probe
+            prefill.append((n, cached, _time(core, probes, [_chunk(core, 0, cached, n)])))
+    decode = []
+    for ctx in probes.decode_contexts:
+        for batch in probes.decode_batches:
+            per_seq = -(-(ctx + 1) // ps)
+            if batch * per_seq > sub.plan.num_pages or batch > core.instance.max_running:
+                continue
+            seconds = _time(core, probes, [_chunk(core, i * per_seq, ctx, 1, seq=i) for i in range(batch)])
+            decode.append((batch, batch * (ctx + 1), seconds))
+    image = sub.images[name]
+    kv_per_token = image.page_bytes // ps
+    measured = "measured: start-up probes through the engine group, fastest of runs"
+    profile = ModelProfile(name, image.nbytes, kv_per_token, fit_prefill(prefill), fit_decode(decode), {},
+                           {"prefill": measured, "decode": measured})
+    return _with_switch(profile, record)
+
+
+def _chunk(core: EngineCore, first_page: int, start: int, n: int, seq: int = 0) -> SeqChunk:
+    """Probe sequence `seq`: tokens [start, start + n) on consecutive pages from `first_page`."""
+    ps, vocab = core.instance.page_size, core.substrate.images[core.substrate.active].files.arch.vocab_size
+    pages = tuple(range(first_page, first_page + -(-(start + n) // ps)))
+    tokens = tuple((7 * (start + i) + seq) % (vocab - 1) + 1 for i in range(n))
+    return SeqChunk(PROBE_ID - seq, tokens, start, pages, True)
+
+
+def _time(core: EngineCore, probes: Probes, chunks: list[SeqChunk], repeats: int | None = None) -> float:
+    """Seconds of one probe step through the group: the fastest run after a warm-up. On a shared
+    machine the slower runs measure the neighbours; the live EWMA corrects what remains."""
+    plan = StepPlan(core.substrate.active, tuple(chunks), MemoryOps(forget=tuple(c.seq_id for c in chunks)))
+    runs = []
+    for _ in range(1 + (probes.repeats if repeats is None else repeats)):
+        t0 = time.perf_counter()
+        core.group.broadcast_object(plan)
+        logits, _ = core._run(plan)
+        if logits is not None and logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        runs.append(time.perf_counter() - t0)
+    return min(runs[1:]) if len(runs) > 1 else runs[0]
+
+
+def _bandwidth(device: torch.device, nbytes: int) -> Bandwidth:
+    """Copy rates: host memcpy on CPU; pinned H2D / D2H and D2D on CUDA. Best of three."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    other = torch.empty_like(host)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev2 = torch.empty_like(dev)
+
+    def rate(dst: torch.Tensor, src: torch.Tensor) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+
+    if device.type != "cuda":
+        memcpy = rate(other, host)
+        return Bandwidth(memcpy, memcpy, memcpy)
+    return Bandwidth(rate(dev, host), rate(host, dev), rate(dev2, dev))
+
+
+def _hardware(device: Device, threads: int) -> str:
+    if device is Device.CUDA:
+        return f"cuda: {torch.cuda.get_device_name()}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"cpu: {name}, {threads} threads"
