@@ -58,9 +58,15 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
         except InstanceFailed as e:
             click.echo(f"talaria: {e}", err=True)
             raise
+        peers = app.state.gateway.dispatcher.peers
+        for peer in peers:
+            peer.start()
         click.echo(f"talaria: serving {', '.join(supervisor.model_names())} on "
-                   f"http://{server.host}:{server.port}/v1", err=True)
+                   f"http://{server.host}:{server.port}/v1"
+                   + (f" (peers: {', '.join(p.url for p in peers)})" if peers else ""), err=True)
         yield
+        for peer in peers:
+            await peer.stop()
         click.echo("talaria: stopping engine groups", err=True)
         await supervisor.stop()
 

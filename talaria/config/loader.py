@@ -32,7 +32,6 @@ from talaria.config.schema import (
     ModelConfig,
     Pool,
     RouterConfig,
-    RouterPolicy,
     ServerConfig,
     SyntheticShape,
     TalariaConfig,
@@ -94,10 +93,10 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
     instances, _ = read_array(InstanceConfig, raw, "instances", probs)
     archs = _check_models(models, probs)
     _check_instances(instances, model_names, archs, probs)
-    if router.policy is RouterPolicy.FULL:
-        probs.add("[router]", 'policy = "full" is not available yet: the paper\'s full router '
-                  "(leases + cost-ranked placement) arrives with the session-aware router issue; "
-                  'use "session-sticky" or "least-pressure"')
+    for peer in router.peers:
+        if not re.match(r"https?://[^/\s]+", peer.url):
+            probs.add("[[router.peers]]", f"url = {toml_value(peer.url)} is not an http(s) base URL; write e.g. "
+                      'url = "http://127.0.0.1:8001"')
     probs.raise_if_any()
     return TalariaConfig(path=path, server=server, models=tuple(m for _, m in models),
                          instances=tuple(i for _, i in instances), router=router,

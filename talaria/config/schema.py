@@ -25,7 +25,7 @@ class Device(str, Enum):
 class RouterPolicy(str, Enum):
     LEAST_PRESSURE = "least-pressure"  # fewest in-flight calls among instances serving the model
     SESSION_STICKY = "session-sticky"  # the session's last instance while its lease lives, else least-pressure
-    FULL = "full"  # paper Algorithm 1: leases + cost-ranked placement (session-aware router issue)
+    FULL = "full"  # paper Algorithm 1: leases + cost-ranked placement + replica rule
 
 
 class Ablation(str, Enum):
@@ -128,10 +128,37 @@ class InstanceConfig:
         return True
 
 
+class Overload(str, Enum):
+    """What the router does when no instance passes the admission and HBM checks."""
+
+    REJECT = "reject"  # HTTP 429 with Retry-After
+    QUEUE = "queue"  # hold the call at the gateway (bounded) until an instance admits it
+    SPILL = "spill"  # send it to the least loaded instance anywhere, peers first
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    url: str  # another Talaria node's base URL, e.g. "http://10.0.0.2:8000"
+    api_key: str | None = None  # that node's [server] api_key, when it has one
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    lease_s: float = 1.0  # soft-reservation lifetime after a call completes (paper: tau)
-    policy: RouterPolicy = RouterPolicy.SESSION_STICKY
+    lease_s: float = 1.0  # soft-reservation lifetime after a call completes (paper: tau); 0 = no leases
+    policy: RouterPolicy = RouterPolicy.FULL
+    overload: Overload = Overload.REJECT
+    stale_s: float = 2.0  # a snapshot older than this: the instance gets no new placements (leases still count)
+    heartbeat_s: float = 0.5  # how often peers' telemetry is fetched
+    lease_unit: float = 1.0  # admission units a live lease charges its instance (in calls of the mean prompt)
+    admit_rounds: float = 2.0  # round admission: a call must start within this many of a cold instance's rounds
+    max_queue_s: float = 30.0  # round admission on hot instances: predicted wait before the call starts
+    replica_penalty_s: float = 1.0  # nu: a new replica must gain this much more than its switch and memory cost
+    hbm_price_s_per_gib: float = 0.05  # mu at an empty pool (doubles when the pool is full)
+    session_ttl_s: float = 900.0  # sessions remembered this long after their last call
+    max_sessions: int = 100_000  # and at most this many
+    queue_timeout_s: float = 30.0  # overload = "queue": longest a call waits at the gateway
+    max_queued: int = 256  # overload = "queue": calls held at once; more get 429
+    peers: tuple[PeerConfig, ...] = ()  # [[router.peers]]: other nodes whose instances join the candidates
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +181,9 @@ class TalariaConfig:
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def instances_by_name(self, name: str) -> InstanceConfig:
+        return next(i for i in self.instances if i.name == name)
 
     def instances_serving(self, model: str) -> tuple[InstanceConfig, ...]:
         return tuple(i for i in self.instances if model in i.models)

@@ -156,6 +156,8 @@ def _kinds(cls: type) -> dict[str, _Kind]:
             kinds[f.name] = _Kind("choice", choices) if choices else _Kind("str")
         elif get_origin(hint) is tuple and get_args(hint) == (str, ...):
             kinds[f.name] = _Kind("strs")
+        elif get_origin(hint) is tuple and dataclasses.is_dataclass(get_args(hint)[0]):
+            kinds[f.name] = _Kind("tables", table=get_args(hint)[0])
         elif get_origin(hint) is tuple and isinstance(get_args(hint)[0], type) and issubclass(get_args(hint)[0], Enum):
             enum = get_args(hint)[0]
             kinds[f.name] = _Kind("choices", tuple(m.value for m in enum), enum=enum)
@@ -177,6 +179,20 @@ def _read_table(cls: type, raw: dict, table: str, label: str, array: bool,
         kind = kinds.get(key)
         if kind is None:
             probs.add(where, unknown_key(key, kinds))
+        elif kind.tag == "tables":
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                probs.add(where, f"{key} = {toml_value(value)} is {_a(value)}; write [[{table}.{key}]] tables")
+                required_ok = False
+                continue
+            before, items = len(probs.lines), []
+            for i, item in enumerate(value):
+                sub = _read_table(kind.table, item, f"{table}.{key}", f"#{i + 1}", True, probs)
+                if sub is not None:
+                    items.append(kind.table(**sub))
+            if len(probs.lines) > before:
+                required_ok = False
+            else:
+                kwargs[key] = tuple(items)
         elif kind.tag == "table":
             if not isinstance(value, dict):
                 probs.add(where, f"{key} = {toml_value(value)} is {_a(value)}; "

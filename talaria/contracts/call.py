@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from talaria.contracts.profile import Profile
 from talaria.contracts.telemetry import InstanceStats  # noqa: F401  (a message of this transport)
 
 
@@ -105,6 +106,7 @@ class InstanceReady:
     kv_pages_total: int
     load_s: float
     error: str | None = None  # the engine could not start (bad weights, arena too small, ...)
+    profile: Profile | None = None  # the costs it runs on (loaded, or measured at start-up): the router's cost model
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,8 @@ class EventKind(str, Enum):
     SLOT_PHASE = "slot_phase"  # data: model, phase (P | D1 | SP | D | Dfin), round, start, duration_s, steps, tokens
     SP_ADMIT = "sp_admit"  # data: model, session, request, tokens, cached_tokens, restored_tokens, round, opportunity
     SP_PARK = "sp_park"  # data: model, session, request, reason (budget | kv | slot-closed | sp-off), round
+    ROUTE = "route"  # instance "router"; data: request, session, model, instance, reason, candidates, cost, ...
+    LEASE = "lease"  # instance "router"; data: op (install | consume | discard | expire), session, model, instance
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ class RoundState:
     sp_parked: int  # continuations that returned mid-slot and waited for a later slot
     last_rounds: tuple[dict, ...]  # summaries: wall_s = active_s + switch_s; p_s, d_s, sp_s; SP admitted/parked
     cost_scale: dict[str, float] = field(default_factory=dict)  # "model/kind" -> measured / profile EWMA
+    round_s: float = 0.0  # the round bound gamma * ttft_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +64,19 @@ class InstanceStats:
     rounds: RoundState | None = None  # cold pools only
     last_switches: tuple[dict, ...] = ()  # the last SwitchRecords as JSON, oldest first
     time: float = 0.0  # node monotonic clock when the snapshot was taken
+    page_size: int = 16  # tokens per KV page (kv_pages_* count these)
+
+
+def stats_from_dict(data: dict) -> InstanceStats:
+    """The inverse of `dataclasses.asdict` for a snapshot read back from JSON (a peer's telemetry)."""
+    known = {f for f in InstanceStats.__dataclass_fields__}
+    d = {k: v for k, v in data.items() if k in known}  # a newer peer may send fields we do not know
+    d["models"] = tuple(d.get("models", ()))
+    d["sessions"] = tuple(d.get("sessions", ()))
+    d["last_switches"] = tuple(d.get("last_switches", ()))
+    d["queues"] = tuple(ModelQueue(**q) for q in d.get("queues", ()))
+    if d.get("rounds") is not None:
+        r = dict(d["rounds"])
+        r["last_rounds"] = tuple(r.get("last_rounds", ()))
+        d["rounds"] = RoundState(**{k: v for k, v in r.items() if k in RoundState.__dataclass_fields__})
+    return InstanceStats(**d)

@@ -37,8 +37,8 @@ class CostModel:
 
     def observe(self, model: str, kind: str, predicted: float, measured: float) -> None:
         """Fold one measurement in; `kind` is "prefill", "decode" or "switch:<path>"."""
-        if predicted <= 0 or measured <= 0:
-            return
+        if predicted <= 0 or measured <= 0 or self.alpha == 0:
+            return  # alpha = 0: trust the profile as it is
         base = predicted / self.scale(model, kind)  # what the profile alone predicted
         ratio = min(MAX_SCALE, max(1 / MAX_SCALE, measured / base))
         old = self._scale.get((model, kind))

@@ -275,7 +275,8 @@ class RoundScheduler:
         if s.start is None:  # P begins: what is queued now, and prompts left half-done, are P's
             s.start = s.seg_start = now
             s.p_set = {seq.seq_id for seq in b.waiting} | {seq.seq_id for seq in b.running if seq.is_prefilling}
-        if s.steps and now - s.start >= s.budget_s:
+        owed = s.decode_steps < s.protected and bool(b.decoding)  # Eq. (4): reserved decode comes first
+        if s.steps and now - s.start >= s.budget_s and not owed:
             return None
         if s.phase is Phase.P:
             step = self._prefill(s, b, now, Phase.P)
@@ -296,8 +297,8 @@ class RoundScheduler:
         if not decoders:
             return None
         predicted = self.costs.decode_s(s.model, len(decoders), sum(len(q.token_ids) for q in decoders))
-        if s.steps and now - s.start + predicted > s.budget_s:
-            return None  # the next decode would overrun the slot: the round bound wins
+        if s.steps and now - s.start + predicted > s.budget_s and not owed:
+            return None  # the next decode would overrun the slot: the round bound wins over the rest
         final = self._left(s, b, now) < self.costs.prefill_s(s.model, self.min_chunk)  # no prefill fits any more
         phase = Phase.DFIN if final else Phase.D if s.opportunities else Phase.D1
         chunks = b.decode_chunks(self.config.max_batch_tokens)

@@ -277,6 +277,7 @@ class Scheduler:
             rounds=self._round_state(),
             last_switches=tuple(r.to_dict() for r in self.switches[-4:]),
             time=self.clock(),
+            page_size=self.memory.page_size,
         )
 
     def _round_state(self) -> RoundState | None:
@@ -284,4 +285,4 @@ class Scheduler:
             return None
         t = self.rounds.telemetry()
         return RoundState(t["round"], t["round_remaining_s"], t["slot"], t["deadline_risk"], t["sp_admitted"],
-                          t["sp_parked"], tuple(t["rounds"]), t["cost_scale"])
+                          t["sp_parked"], tuple(t["rounds"]), t["cost_scale"], self.rounds.config.round_s)

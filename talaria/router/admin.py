@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
+from talaria.contracts.profile import dump_profile
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.router.errors import (
     INVALID_REQUEST,
@@ -29,6 +30,25 @@ from talaria.router.sse import SSEResponse
 
 if TYPE_CHECKING:
     from talaria.router.gateway import Gateway
+    from talaria.router.router import Router
+
+
+def router_telemetry(router: Router) -> dict:
+    """The router's counters and live leases (with seconds left), for the dashboard and operators."""
+    now, st = router.clock(), router.stats
+    router.leases.sweep(now)
+    return {
+        "policy": router.config.policy.value,
+        "decisions": dict(st.decisions),
+        "lease_hits": st.lease_hits, "lease_misses": st.lease_misses, "lease_expiries": st.lease_expiries,
+        "returns": st.returns, "same_instance_returns": st.same_instance_returns,
+        "avoidable_opens": st.avoidable_opens, "sessions": len(router.sessions),
+        "leases": [{"session": lease.session, "model": lease.model, "instance": lease.instance,
+                    "expires_in_s": lease.t_exp - now} for lease in router.leases.all()[:256]],
+        "views": {v.name: {"node": v.node, "healthy": v.healthy, "in_flight": v.in_flight,
+                           "snapshot_age_s": now - v.received_at if v.snapshot is not None else None}
+                  for v in router.views.values()},
+    }
 
 SWITCH_TIMEOUT_S = 120.0
 
@@ -38,10 +58,16 @@ def install_admin_routes(app: FastAPI, gateway: Gateway, read_json) -> None:
 
     async def telemetry(request: Request) -> JSONResponse:
         gateway.authorize(request)
-        instances = {g.name: {"healthy": g.healthy, "in_flight": g.in_flight,
-                              "stats": asdict(g.stats) if g.stats is not None else None}
-                     for g in supervisor.groups}
-        return JSONResponse({"instances": instances})
+        instances = {}
+        for g in supervisor.groups:
+            ready = getattr(g, "ready", None)
+            profile = ready.profile if ready is not None else None
+            instances[g.name] = {"healthy": g.healthy, "in_flight": g.in_flight,
+                                 "models": list(gateway.config.instances_by_name(g.name).models),
+                                 "stats": asdict(g.stats) if getattr(g, "stats", None) is not None else None,
+                                 "profile": dump_profile(profile) if profile is not None else None}
+        router = gateway.dispatcher.router
+        return JSONResponse({"time": router.clock(), "instances": instances, "router": router_telemetry(router)})
 
     async def switch(request: Request) -> JSONResponse:
         gateway.authorize(request)

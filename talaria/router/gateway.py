@@ -2,8 +2,9 @@
 
 `create_app(supervisor)` serves `/v1/chat/completions`, `/v1/completions` (streamed as SSE or
 whole), `/v1/models`, `/health` and `/metrics`. A completion request is: authorize, read the body
-under `max_body_bytes`, parse (`openai_protocol`), route (`policies`), then drive the call as text
-(`generation`) and format it (`responses`). Every error leaves as OpenAI's error JSON.
+under `max_body_bytes`, parse (`openai_protocol`), place (`dispatch` over the session-aware
+`router`), then drive the call as text (`generation`) and format it (`responses`); a call placed on
+a peer node is forwarded there (`peers`). Every error leaves as OpenAI's error JSON.
 
 Cancellation is the part to get right: a client that goes away must stop the call on the instance.
 Streaming responses watch for `http.disconnect` and cancel the body, whose `finally` closes the
@@ -32,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from talaria.contracts.call import InstanceCall
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.router.admin import install_admin_routes
+from talaria.router.dispatch import Dispatcher, Placement
 from talaria.router.errors import (
     AUTHENTICATION,
     INVALID_REQUEST,
@@ -44,7 +46,7 @@ from talaria.router.errors import (
 from talaria.router.generation import TextGeneration
 from talaria.router.metrics import GatewayMetrics
 from talaria.router.openai_protocol import Endpoint, ParsedRequest, parse_request
-from talaria.router.policies import make_policy
+from talaria.router.peers import FORWARDED_HEADER, PeerLink
 from talaria.router.responses import DONE, ResponseFormat, sse
 from talaria.router.sse import SSEResponse, cancel_on_disconnect
 
@@ -87,8 +89,10 @@ class Gateway:
                  wall_clock: Callable[[], float], new_id: Callable[[], str]) -> None:
         self.supervisor = supervisor
         self.config = supervisor.config
-        self.metrics = GatewayMetrics(supervisor.stats)
-        self.policy = make_policy(self.config.router, clock)
+        self.dispatcher = Dispatcher(supervisor, self.config.router, clock)
+        self.dispatcher.peers = [PeerLink(p, self.dispatcher.router, clock, self.config.router.heartbeat_s)
+                                 for p in self.config.router.peers]
+        self.metrics = GatewayMetrics(supervisor.stats, self.dispatcher.router)
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
@@ -126,10 +130,16 @@ class Gateway:
         body = await _read_json(request, self.config.server.max_body_bytes)
         parsed = await anyio.to_thread.run_sync(  # tokenizing a 100K-token prompt must not stall the loop
             parse_request, endpoint, body, self.supervisor, request.headers.get("x-session-id"))
-        group = self.policy.route(parsed.model, parsed.session_id, self.supervisor.groups_for(parsed.model))
+        session, chain, inferred = self.dispatcher.session(parsed, body, endpoint)
+        local = request.headers.get(FORWARDED_HEADER) is not None  # a peer sent it: serve it here
+        placement = await self.dispatcher.place(parsed, endpoint, session, chain, inferred, request_id, local)
+        if placement.peer is not None:
+            return await placement.peer.forward(request, body, session, self.dispatcher, placement)
+        group = placement.group
         call = InstanceCall(request_id, parsed.model, parsed.prompt_token_ids, parsed.sampling,
-                            parsed.session_id, enqueue_time=arrival)
+                            session, enqueue_time=arrival)
         gen = TextGeneration(group, call, self.supervisor.tokenizer(parsed.model), parsed.stop, self._clock)
+        gen.placement = placement
         fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage)
         log.debug("%s: %s on %s, %d prompt tokens", request_id, parsed.model, group.name, len(call.prompt_token_ids))
         headers = {"x-request-id": request_id}
@@ -183,15 +193,20 @@ class Gateway:
         if gen.finish_reason is None or gen.usage is None:
             log.info("%s: client disconnected; call cancelled", gen.call.request_id)
             return Response(status_code=CLIENT_CLOSED)
+        if gen.timings is not None:  # what the instance spent on the call; the rest is gateway and transport
+            t = gen.timings
+            headers["x-talaria-instance-time"] = f"{t.queued_s + t.prefill_s + t.decode_s:.6f}"
+        headers["x-talaria-instance"] = gen.group.name
         return JSONResponse(fmt.whole("".join(parts), gen.finish_reason, gen.usage), headers=headers)
 
     def _record(self, gen: TextGeneration, parsed: ParsedRequest, arrival: float) -> None:
-        """Metrics and session memory for a call that finished normally; nothing otherwise."""
-        if gen.finish_reason is None or gen.usage is None or gen.finished_at is None:
-            return
-        self.metrics.observe_call(parsed.model, gen.group.name, arrival, gen.first_token_at, gen.finished_at,
-                                  gen.usage)
-        self.policy.complete(parsed.model, parsed.session_id, gen.group.name)
+        """Routing state for every call that ends; metrics and the session's lease for normal ends."""
+        normal = gen.finish_reason is not None and gen.usage is not None and gen.finished_at is not None
+        placement: Placement = gen.placement
+        self.dispatcher.finished(placement, gen.usage if normal else None, "".join(gen.reply), gen.output_ids)
+        if normal:
+            self.metrics.observe_call(parsed.model, gen.group.name, arrival, gen.first_token_at, gen.finished_at,
+                                      gen.usage)
 
     def authorize(self, request: Request) -> None:
         key = self.config.server.api_key

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from talaria.contracts.call import FinishReason, InstanceCall, Usage
+from talaria.contracts.call import CallTimings, FinishReason, InstanceCall, Usage
 from talaria.node.errors import InstanceFailed
 from talaria.router.stop_strings import StopStringMatcher
 
@@ -40,6 +40,10 @@ class TextGeneration:
         self.finish_reason: str | None = None  # "stop" | "length", OpenAI's values
         self.usage: Usage | None = None
         self.completion_tokens = 0
+        self.output_ids: list[int] = []  # every generated token, for the session continuity index
+        self.reply: list[str] = []  # every text delta sent
+        self.placement = None  # the router's Placement of this call (talaria.router.dispatch)
+        self.timings: CallTimings | None = None  # the instance's own account of the call (final record)
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
 
@@ -55,11 +59,13 @@ class TextGeneration:
                     if self.first_token_at is None:
                         self.first_token_at = self._clock()
                     self.completion_tokens += len(ids)
+                    self.output_ids += ids
                 if out.finish is None:
                     safe = matcher.push(detok.push(ids)) if ids else ""
                     if matcher.stopped:  # cached_tokens is unknown here: the final record never comes
                         self._finish("stop", None)
                     if safe:
+                        self.reply.append(safe)
                         yield safe
                     if matcher.stopped:
                         return
@@ -71,7 +77,9 @@ class TextGeneration:
                 safe = matcher.push(detok.push(ids) + detok.flush())
                 safe += matcher.flush()
                 self._finish("stop" if matcher.stopped else out.finish.value, out.usage)
+                self.timings = out.timings
                 if safe:
+                    self.reply.append(safe)
                     yield safe
                 return
             raise InstanceFailed("the instance closed the call without a final record")

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from talaria.contracts.call import Usage
 from talaria.contracts.telemetry import InstanceStats
+from talaria.router.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,36 @@ class InstanceStatsCollector:
         yield from (waiting, running, used, total, usage, preempt, switches, sp, risk)
 
 
+class RouterCollector:
+    """Scrape-time counters from the session-aware router: leases, returns, opens, decisions."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._router.stats
+        leases = CounterMetricFamily("talaria_router_leases", "Soft reservations by outcome", labels=["outcome"])
+        for outcome, n in (("hit", st.lease_hits), ("miss", st.lease_misses), ("expired", st.lease_expiries)):
+            leases.add_metric([outcome], n)
+        returns = CounterMetricFamily("talaria_router_returns", "Calls of known sessions, and how many went "
+                                      "back to their last instance", labels=["same_instance"])
+        returns.add_metric(["true"], st.same_instance_returns)
+        returns.add_metric(["false"], st.returns - st.same_instance_returns)
+        opens = CounterMetricFamily("talaria_router_avoidable_model_opens", "Placements that open a model "
+                                    "another instance holds")
+        opens.add_metric([], st.avoidable_opens)
+        decisions = CounterMetricFamily("talaria_router_decisions", "Routing decisions by reason", labels=["reason"])
+        for reason, n in st.decisions.items():
+            decisions.add_metric([reason], n)
+        yield from (leases, returns, opens, decisions)
+
+
 class GatewayMetrics:
     """The gateway's metrics; `render` produces the /metrics body."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stats: Callable[[], Iterable[InstanceStats]]) -> None:
+    def __init__(self, stats: Callable[[], Iterable[InstanceStats]], router: Router | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model", "instance"]
         self._ttft = Histogram("talaria_ttft_seconds", "Time from request arrival to the first token",
@@ -94,6 +119,8 @@ class GatewayMetrics:
         self._cached = Counter("talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                labels, registry=self.registry)
         self.registry.register(InstanceStatsCollector(stats))
+        if router is not None:
+            self.registry.register(RouterCollector(router))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint, str(status)).inc()

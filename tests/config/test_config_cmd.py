@@ -37,7 +37,7 @@ def test_check_without_file_summarises_the_embedded_default() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].endswith("talaria.toml: 3 models, 2 instances")
     assert "server  127.0.0.1:8000" in lines
-    assert "router  session-sticky, lease 1 s" in lines
+    assert "router  full, lease 1 s" in lines
     hot = next(line for line in lines if line.strip().startswith("hot-0"))
     assert hot.split() == ["hot-0", "hot", "tp", "1", "cpu", "arena", "1.50", "GiB", "smollm2"]
     cold = next(line for line in lines if line.strip().startswith("cold-0"))
@@ -58,9 +58,9 @@ def test_check_lists_every_problem_on_stderr_and_exits_2() -> None:
 
 
 def test_check_single_problem_says_one_problem() -> None:
-    result = _run(str(FIXTURES / "policy_full.toml"))
+    result = _run(str(FIXTURES / "peer_bad_url.toml"))
     assert result.exit_code == 2
-    assert 'policy = "full" is not available yet' in result.stderr
+    assert "is not an http(s) base URL" in result.stderr
     assert result.stderr.splitlines()[-1] == "1 problem found"
 
 

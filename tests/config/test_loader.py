@@ -39,9 +39,10 @@ CASES = {
     "pool_unknown": ['pool = "warm" is not allowed', 'use one of: "hot", "cold"'],
     "device_unknown": ['device = "gpu" is not allowed', 'use one of: "cpu", "cuda"'],
     "dtype_unknown": ['[[models]] "tiny"', 'dtype = "fp16"', '"float32", "float64", "bfloat16", "float16"'],
-    "policy_unknown": ['policy = "random" is not allowed', '"least-pressure", "session-sticky"'],
-    "policy_full": ["[router]", 'policy = "full" is not available yet', "session-aware router issue",
-                    'use "session-sticky" or "least-pressure"'],
+    "policy_unknown": ['policy = "random" is not allowed', '"least-pressure", "session-sticky", "full"'],
+    "peer_bad_url": ["[[router.peers]]", 'url = "10.0.0.2:8000" is not an http(s) base URL',
+                     'url = "http://127.0.0.1:8001"'],
+    "gamma_not_below_one": ['[[instances]] "cold-0"', "gamma = 1.2 must be between 0 and 1", "gamma = 0.8"],
     "duplicate_model_names": ['[[models]] "tiny"', "used by entries #1 and #2", "unique name"],
     "duplicate_instance_names": ['[[instances]] "cold-0"', "used by entries #1 and #2"],
     "instance_unknown_model": ['names "tiny-lama", which is not in [[models]]', 'did you mean "tiny"?'],
@@ -102,7 +103,7 @@ def test_all_problems_are_reported_in_one_error() -> None:
     text = str(info.value)
     assert len(info.value.problems) == 4
     for fragment in ("port = 0 is out of range", 'unknown key "tpp"', 'device = "gpu"',
-                     'policy = "full"'):
+                     'url = "nowhere"'):
         assert fragment in text
 
 
@@ -166,7 +167,7 @@ def test_shipped_default_is_valid_and_runs_on_a_small_cpu_box() -> None:
     assert (cold.name, cold.pool, cold.tp) == ("cold-0", Pool.COLD, 2)
     assert set(cold.models) == {"tiny-llama", "tiny-qwen3"}
     assert all(i.device is Device.CPU for i in cfg.instances)
-    assert (cfg.router.lease_s, cfg.router.policy) == (1.0, RouterPolicy.SESSION_STICKY)
+    assert (cfg.router.lease_s, cfg.router.policy) == (1.0, RouterPolicy.FULL)
 
 
 def test_top_level_talaria_toml_is_the_embedded_default() -> None:

@@ -104,17 +104,18 @@ class Instance:
         plan = self.scheduler.plan()
         return plan, ([] if plan is None else self.run(plan, token, step_s))
 
-    def advance(self, token: int = 50) -> tuple[StepPlan | SwitchPlan | None, list[CallOutput]]:
-        """One plan, run in exactly the time the profile predicts for it (the clock moves by that)."""
+    def advance(self, token: int = 50, slowdown: float = 1.0) -> tuple[StepPlan | SwitchPlan | None, list[CallOutput]]:
+        """One plan, run in the time the profile predicts for it times `slowdown` (the clock moves by that)."""
         plan = self.scheduler.plan()
         if plan is None:
             return None, []
         flight = self.scheduler.rounds.in_flight if self.scheduler.rounds is not None else None
         if flight is not None:
-            self.clock.now += flight[1]
+            self.clock.now += flight[1] * slowdown
         return plan, self.run(plan, token)
 
-    def until_idle(self, limit: int = 500, arrivals: dict[float, list[InstanceCall]] | None = None) -> list[CallOutput]:
+    def until_idle(self, limit: int = 500, arrivals: dict[float, list[InstanceCall]] | None = None,
+                   slowdown: float = 1.0) -> list[CallOutput]:
         """`advance` until nothing is left to run; `arrivals` adds calls once the clock reaches their time."""
         pending = sorted((arrivals or {}).items())
         outputs = []
@@ -122,7 +123,7 @@ class Instance:
             while pending and pending[0][0] <= self.clock.now + 1e-12:
                 for c in pending.pop(0)[1]:
                     outputs += self.scheduler.add(c)
-            plan, out = self.advance()
+            plan, out = self.advance(slowdown=slowdown)
             outputs += out
             if plan is None:
                 if not pending:
@@ -138,7 +139,8 @@ class Instance:
 
 
 def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds: RoundConfig | None = ROUNDS,
-             hot: bool = False, extra_pages: int = 0) -> Instance:
+             hot: bool = False, extra_pages: int = 0, learn: bool = True) -> Instance:
+    """`learn`: the cost model folds measured step times in (off: predictions stay the profile's)."""
     """An instance serving `models`, the first one opened at `now` (as EngineCore does at start)."""
     layout = BumpLayout(3584 + extra_pages * PAGE_BYTES, 256)
     for m in models:
@@ -150,7 +152,7 @@ def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds:
     batchers = {m: Batcher(m, PageManager(layout.plan(m).num_pages, PS), max_batch_tokens, 8, 64, (2,), host)
                 for m in models}
     clock = FakeClock(now)
-    costs = CostModel(toy_profile(models))
+    costs = CostModel(toy_profile(models), alpha=0.2 if learn else 0.0)
     config = RoundConfig(**{**{f: getattr(rounds, f) for f in RoundConfig.__slots__}, "max_batch_tokens": max_batch_tokens})
 
     def build(batchers, clock, emit, switch_path, known):

@@ -146,6 +146,16 @@ def test_decode_share_holds_under_heavy_prefill_pressure():
     assert inst.scheduler.rounds.deadline_risk["prefill_shortfall"] == 4  # reported, not hidden
 
 
+def test_decode_share_holds_when_every_step_takes_three_times_its_prediction():
+    inst = instance("a", "b", max_batch_tokens=32, extra_pages=64, learn=False)  # predictions stay 3x short
+    prompts = [call(f"p{i}", range(200 + 50 * i, 240 + 50 * i)) for i in range(6)]
+    inst.until_idle(arrivals={0.0: [call("dec", range(100, 104), max_tokens=40)], 0.1: prompts}, slowdown=3.0)
+    for r in rounds(inst.log())[:-1]:  # in the last round dec runs out of tokens
+        [slot] = r["slots"]
+        assert slot["decode_steps"] >= slot["protected"] == 4  # the slot overruns rather than skip decode
+    assert inst.scheduler.rounds.deadline_risk["round_over"] > 0  # and says so
+
+
 def test_each_round_stays_within_gamma_ttft_and_skips_models_without_work():
     inst = instance("a", "b", "c")  # b never has work
     inst.until_idle(arrivals={0.0: [call("ra", range(100, 108), max_tokens=12),

@@ -104,8 +104,10 @@ def test_forcing_the_active_model_does_not_delay_a_due_switch():
     inst = instance("a", "b")
     inst.scheduler.add(call("ra", "a"))
     inst.scheduler.add(call("rb", "b"))
-    inst.step()
-    inst.clock.now = 0.5  # a's slot is over and b waits
+    for t in (0.0, 0.0625, 0.125, 0.1875, 0.25):  # P, then the 4 protected decode steps
+        inst.clock.now = t
+        assert kind(inst.step()[0]) == "a"
+    inst.clock.now = 0.5  # a's slot (0.4375 s: half of what the switch leaves of the 1 s round) is over
     inst.scheduler.force_switch("a")
     assert kind(inst.scheduler.plan()) == "-> b"
 

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
-from talaria.replay import ReplayResult, agent_sessions, replay_sync
+from talaria.replay import ReplayResult, ReplaySession, agent_sessions, replay_sync
 from tests.conftest import start_server
 
 pytestmark = pytest.mark.slow
 
 TP = 2  # the issue's "two models of one cold instance" on a TP group
 MODELS = ["tiny-llama", "tiny-qwen3"]
-MAX_TOKENS = 12
-# Tool gaps well inside a slot (rounds last at most gamma * ttft_s = 0.8 s), so returns find their
-# model's slot still open; two sessions per model keep the slot busy while one is in its gap.
-WORKLOAD = {"seed": 3, "system_chars": 240, "tool_chars": 60, "max_tokens": MAX_TOKENS, "gap_s": (0.01, 0.25)}
-SESSIONS_PER_MODEL, TURNS = 3, 4
+SHORT_TOKENS, LONG_TOKENS = 4, 48
+SHORT_SESSIONS, TURNS, ANCHOR_TURNS = 2, 4, 2  # per model
+WORKLOAD = {"system_chars": 240, "tool_chars": 60, "gap_s": (0.005, 0.03)}
+CLOCK_SLACK_S = 1e-6  # start + duration_s re-adds a difference of two clock readings: allow rounding
 SHAPE = ('hidden_size = 128\nintermediate_size = 256\nnum_layers = 4\nnum_heads = 4\nnum_kv_heads = 2\n'
          'vocab_size = 512\nmax_position = 2048\n')
 
@@ -42,8 +41,25 @@ def config(directory: Path, ablations: list[str]) -> Path:
         f'[[instances]]\nname = "cold-0"\npool = "cold"\nmodels = {json.dumps(MODELS)}\ntp = {TP}\n'
         f'arena_bytes = "64MiB"\nhost_kv_bytes = "16MiB"\nstaging_chunk_bytes = "64KiB"\n'
         f"ttft_s = 1.0\ntpot_s = 0.2\ngamma = 0.8\nablations = {json.dumps(ablations)}\n\n"
+        '[router]\npolicy = "session-sticky"\n\n'  # one instance: routing is not under test
         f'[telemetry]\nevents_path = "{directory / "events.jsonl"}"\n')
     return path
+
+
+def workload() -> list[ReplaySession]:
+    """Per model, one anchor session that decodes long, keeping its model's slot open, and two short
+    sessions whose returns, after gaps of a few milliseconds, land while the anchor still decodes:
+    the situation SP exists for. (Without an anchor, the sessions of a model tend to finish in the
+    same step and return after their slot has closed, and SP's chance is left to timing.)"""
+    short = agent_sessions(MODELS, SHORT_SESSIONS, TURNS, seed=3, max_tokens=SHORT_TOKENS, **WORKLOAD)
+    long = agent_sessions(MODELS, 1, ANCHOR_TURNS, seed=4, max_tokens=LONG_TOKENS, **WORKLOAD)
+    return [anchor(s, s.calls[0].body["model"] + "-anchor") for s in long] + short
+
+
+def anchor(session: ReplaySession, sid: str) -> ReplaySession:
+    """`session` renamed to `sid`, starting at once (before the short sessions' offsets)."""
+    calls = [replace(c, body={**c.body, "session_id": sid}) for c in session.calls]
+    return ReplaySession(sid, (replace(calls[0], gap_before_s=0.0), *calls[1:]))
 
 
 @dataclass
@@ -55,7 +71,7 @@ class Run:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     """The workload with SP on ("on") and ablated ("off"), one fresh server each."""
-    sessions = agent_sessions(MODELS, SESSIONS_PER_MODEL, TURNS, **WORKLOAD)
+    sessions = workload()
     out = {}
     for label, ablations in (("on", []), ("off", ["sp"])):
         directory = tmp_path_factory.mktemp(f"sp-{label}")
@@ -78,8 +94,9 @@ def test_every_call_completes_in_both_runs(runs):
     for label, run in runs.items():
         failed = [(c.session_id, c.index, c.status, c.error) for c in run.result.calls if not c.ok]
         assert not failed, f"SP {label}: {failed}"
-        assert len(run.result.calls) == len(MODELS) * SESSIONS_PER_MODEL * TURNS
-        assert all(c.usage["completion_tokens"] == MAX_TOKENS for c in run.result.calls)
+        assert len(run.result.calls) == len(MODELS) * (SHORT_SESSIONS * TURNS + ANCHOR_TURNS)
+        tokens = {c.usage["completion_tokens"] for c in run.result.calls}
+        assert tokens == {SHORT_TOKENS, LONG_TOKENS}
 
 
 def test_sp_admits_returning_sessions_inside_an_open_slot(runs):
@@ -94,8 +111,9 @@ def test_sp_admits_returning_sessions_inside_an_open_slot(runs):
     for a in admits:
         assert a["session"].startswith(a["model"] + "-"), a  # a continuation of that model's session
         slot = phases[a["model"], a["round"]]
-        d1 = [p for p in slot if p["phase"] == "D1"]
-        assert d1 and d1[0]["start"] < a["t"], f"admitted before its slot's D1 opened: {a}, slot {slot}"
+        d1 = [p for p in slot if p["phase"] == "D1"]  # P -> D1 -> (SP -> D)*: SP comes after D1 ends
+        assert d1, f"admitted in a slot with no D1: {a}, slot {slot}"
+        assert a["t"] >= d1[0]["start"] + d1[0]["duration_s"] - CLOCK_SLACK_S, f"admitted before D1 ended: {a}, {d1}"
         if a["round"] in closed_rounds:  # the slot has ended, so all of its phases are logged
             start = min(p["start"] for p in slot)
             end = max(p["start"] + p["duration_s"] for p in slot)

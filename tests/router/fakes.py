@@ -20,6 +20,7 @@ from talaria.config.schema import (
     ModelConfig,
     Pool,
     RouterConfig,
+    RouterPolicy,
     ServerConfig,
     TalariaConfig,
 )
@@ -128,7 +129,7 @@ class FakeEchoSupervisor:
             server=ServerConfig(api_key=api_key, max_body_bytes=max_body_bytes),
             models=(ModelConfig(MODEL, "synthetic:"),),
             instances=tuple(InstanceConfig(g.name, Pool.HOT, (MODEL,)) for g in self.groups),
-            router=router or RouterConfig(),
+            router=router or RouterConfig(policy=RouterPolicy.LEAST_PRESSURE),  # fakes carry no cost profile
         )
         self._tokenizer = byte_tokenizer()
         self._arch = fake_arch(max_position)

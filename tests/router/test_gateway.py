@@ -269,7 +269,26 @@ def test_unexpected_error_is_500_json_without_traceback(sup, client):
     def broken(model):
         raise RuntimeError("secret internals")
 
-    sup.groups_for = broken
+    sup.tokenizer = broken
     resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     err = assert_openai_error(resp, 500)
     assert "secret" not in resp.text and "cmpl-id0" in err["message"]
+
+
+def test_a_client_without_session_ids_is_recognised_by_its_conversation():
+    clock = Clock()
+    a, b = FakeEchoGroup("a"), FakeEchoGroup("b")
+    sup = FakeEchoSupervisor([a, b], router=RouterConfig(lease_s=1.0, policy=RouterPolicy.SESSION_STICKY),
+                             max_position=1024)
+    client = client_for(sup, clock=clock)
+    messages = [{"role": "user", "content": "list the files"}]
+    first = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    reply = first.json()["choices"][0]["message"]["content"]
+    assert len(a.calls) == 1 and a.calls[0].session_id.startswith("auto-")
+    a.in_flight = 3  # a is busier: only the session's lease keeps it there
+    follow_up = [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": "a.py b.py"}]
+    client.post("/v1/chat/completions", json={"model": MODEL, "messages": follow_up, "max_tokens": 4})
+    assert len(a.calls) == 2 and a.calls[1].session_id == a.calls[0].session_id
+    other = [{"role": "user", "content": "something else"}]  # a new conversation: a new session
+    client.post("/v1/chat/completions", json={"model": MODEL, "messages": other, "max_tokens": 4})
+    assert len(b.calls) == 1 and b.calls[0].session_id != a.calls[0].session_id

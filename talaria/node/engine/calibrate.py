@@ -50,6 +50,10 @@ class Probes:
     copy_bytes: int = 32 << 20
 
 
+QUICK = Probes(prefill_tokens=(16, 128), cached_tokens=(128,), decode_batches=(1, 8), decode_contexts=(64,),
+               repeats=2, copy_bytes=8 << 20)  # hot instances: the router's cost model, in a second or two
+
+
 def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration",
               progress: Callable[[str], None] | None = None) -> Profile:
     """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile."""
@@ -97,20 +101,23 @@ def _with_switch(profile: ModelProfile, record: SwitchRecord | None) -> ModelPro
 def _model_profile(core: EngineCore, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
     sub, ps = core.substrate, core.instance.page_size
     capacity = sub.plan.num_pages * ps
-    limit = min(core.instance.max_batch_tokens, capacity - ps)
+    limit = max(1, min(core.instance.max_batch_tokens, capacity - ps))
+    # the probe sizes that fit this instance; a tiny pool or step budget still gets two points
+    sizes = [t for t in probes.prefill_tokens if t <= limit] or sorted({max(1, limit // 4), limit})
     prefill = []
-    for n in (t for t in probes.prefill_tokens if t <= limit):
+    for n in sizes:
         prefill.append((n, 0, _time(core, probes, [_chunk(core, 0, 0, n)])))
     for cached in (c for c in probes.cached_tokens if c + ps <= capacity):
-        for n in (t for t in probes.prefill_tokens if t <= limit and cached + t <= capacity):
+        for n in (t for t in sizes if cached + t <= capacity):
             _time(core, probes, [_chunk(core, 0, 0, cached)], repeats=0)  # its KV, for the probe
             prefill.append((n, cached, _time(core, probes, [_chunk(core, 0, cached, n)])))
     decode = []
-    for ctx in probes.decode_contexts:
+    contexts = [c for c in probes.decode_contexts if c + 1 <= capacity] or [max(0, min(ps, capacity) - 1)]
+    for ctx in contexts:
         for batch in probes.decode_batches:
             per_seq = -(-(ctx + 1) // ps)
-            if batch * per_seq > sub.plan.num_pages or batch > core.instance.max_running:
-                continue
+            if decode and (batch * per_seq > sub.plan.num_pages or batch > core.instance.max_running):
+                continue  # (a batch of 1 always runs, so the fit has a point)
             seconds = _time(core, probes, [_chunk(core, i * per_seq, ctx, 1, seq=i) for i in range(batch)])
             decode.append((batch, batch * (ctx + 1), seconds))
     image = sub.images[name]

@@ -20,7 +20,7 @@ from talaria.models.source import ModelFiles
 from talaria.node.batcher import Batcher
 from talaria.node.cost_model import CostModel
 from talaria.node.engine.arena import ALIGN
-from talaria.node.engine.calibrate import calibrate
+from talaria.node.engine.calibrate import QUICK, Probes, calibrate
 from talaria.node.engine.parallel import TPGroup
 from talaria.node.engine.runner import run_step
 from talaria.node.engine.sampler import Sampler
@@ -52,8 +52,14 @@ class EngineCore:
         opening = SwitchPlan(first, full_h2d(sub.images[first].nbytes))
         sub.activate(first, opening.gather, lambda: None)
         if group.rank == 0:
-            if instance.pool is Pool.COLD or len(models) > 1:  # rounds, budgeted from predicted costs
-                self.profile = load_profile(instance.profile) if instance.profile else calibrate(self)
+            # cold pools budget their rounds from predicted costs; the router ranks every instance by them
+            rounds = instance.pool is Pool.COLD or len(models) > 1
+            self.profile = load_profile(instance.profile) if instance.profile else \
+                calibrate(self, Probes() if rounds else QUICK)
+            missing = [m.name for m in models if m.name not in self.profile.models]
+            if missing:
+                raise ValueError(f"profile {instance.profile} has no costs for {', '.join(missing)}; run "
+                                 f"`talaria profile` for this config, or drop `profile` to measure at start-up")
             self.scheduler = self._scheduler(models, clock)
             self.scheduler.switched(opening, None, [])
             self.sampler = Sampler()
@@ -70,7 +76,7 @@ class EngineCore:
                                     inst.max_batch_tokens, inst.max_running, m.arch.max_position,
                                     m.arch.eos_token_ids, host) for m in models}
         rounds = None
-        if self.profile is not None:
+        if inst.pool is Pool.COLD or len(models) > 1:
             config = RoundConfig(inst.ttft_s, inst.tpot_s, inst.gamma, inst.enabled(Ablation.SP), inst.slot_order,
                                  inst.slot_length, inst.max_batch_tokens)
             costs = CostModel(self.profile)

@@ -73,7 +73,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
             pass
         return
     conn.send([InstanceReady(spec.instance.name, tuple(m.name for m in spec.models), core.pages,
-                             time.monotonic() - t0)])
+                             time.monotonic() - t0, profile=core.profile),
+               core.stats()])  # the router places nothing on an instance it has no snapshot of
     _serve(core, conn)
 
 
