@@ -20,7 +20,9 @@ from talaria.cli.progress import ProgressPrinter
 @click.option("--port", type=int, help="Override [server] port.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="Log verbosity of the supervisor and the HTTP server.")
-def up(config_path: Path | None, host: str | None, port: int | None, log_level: str) -> None:
+@click.option("--access-log/--no-access-log", default=False, show_default=True,
+              help="Log every HTTP request (uvicorn's access log); off by default: it costs each call time.")
+def up(config_path: Path | None, host: str | None, port: int | None, log_level: str, access_log: bool) -> None:
     """Start the engine groups of every instance and serve the OpenAI API.
 
     Models are converted once (GGUF -> safetensors, synthetic -> generated) into the cache
@@ -71,6 +73,7 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
         await supervisor.stop()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, access_log=access_log,
+                timeout_graceful_shutdown=5)
     if not supervisor.groups or not all(g.ready and g.ready.error is None for g in supervisor.groups):
         sys.exit(1)
