@@ -6,6 +6,10 @@ import click
 
 from talaria import __version__
 from talaria.cli.config_cmd import config
+from talaria.cli.profile_cmd import profile
+from talaria.cli.replay_cmd import replay
+from talaria.cli.sim_cmd import sim
+from talaria.cli.trace_cmd import trace
 from talaria.cli.up import up
 
 
@@ -21,6 +25,10 @@ def cli() -> None:
 
 cli.add_command(up)
 cli.add_command(config)
+cli.add_command(trace)
+cli.add_command(profile)
+cli.add_command(replay)
+cli.add_command(sim)
 
 
 if __name__ == "__main__":

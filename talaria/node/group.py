@@ -31,6 +31,7 @@ from talaria.contracts.call import (
 )
 from talaria.contracts.events import Event
 from talaria.models.source import ModelFiles
+from talaria.node.engine.calibrate import Probes
 from talaria.node.engine.worker import WorkerSpec, worker_main
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.node.memory.rank_ledger import TestOnlyFault
@@ -49,12 +50,14 @@ def _free_port() -> int:
 class EngineGroup:
     def __init__(self, config: InstanceConfig, models: list[ModelFiles], threads: int,
                  fault: TestOnlyFault | None = None,
-                 on_events: Callable[[list[Event]], None] | None = None) -> None:
-        """fault: tests only — corrupt one rank's HKVR agreement reports. on_events: the event log."""
+                 on_events: Callable[[list[Event]], None] | None = None, probes: Probes | None = None) -> None:
+        """fault: tests only — corrupt one rank's HKVR agreement reports. on_events: the event log.
+        probes: measure the profile with these at start (`talaria profile`), whatever the config says."""
         self.config = config
         self.name = config.name
         self.models = models
         self.threads = threads
+        self.probes = probes
         self.healthy = False
         self.restarts = 0
         self.stats: InstanceStats | None = None
@@ -94,7 +97,7 @@ class EngineGroup:
         port = _free_port()
         self._procs = [ctx.Process(target=worker_main, name=f"talaria-{self.name}-rank{r}", daemon=True,
                                    args=(WorkerSpec(self.config, tuple(self.models), r, port, self.threads,
-                                                    self.fault),
+                                                    self.fault, self.probes),
                                          child if r == 0 else None))
                        for r in range(self.config.tp)]
         for p in self._procs:

@@ -235,21 +235,27 @@ class Scheduler:
         events, self._events = self._events, []
         return events
 
-    def session_states(self) -> tuple[dict, ...]:
-        """Where each recent session's KV is now: device-resident, host-restorable or missing."""
+    def session_states(self, exact: bool = True) -> tuple[dict, ...]:
+        """Where each recent session's KV is now: device-resident, host-restorable or missing.
+
+        `exact` walks every page of every prefix; otherwise (the simulator's heartbeats) only the
+        last page is looked up, which says where a whole prefix is unless part of it was evicted."""
         out = []
         host, ps = self.memory.host, self.memory.page_size
         for session, (model, chain) in self._sessions.items():
             pool = self.batchers[model].pages
-            on_device = len(pool.match_prefix(chain)) if model == self.active else 0
-            on_host = len(host.peek(model, chain)) if host is not None else 0
+            probe = chain if exact else chain[-1:]
+            on_device = len(pool.match_prefix(probe)) if model == self.active else 0
+            on_host = len(host.peek(model, probe)) if host is not None else 0
+            if not exact:
+                on_device, on_host = on_device * len(chain), on_host * len(chain)
             where = ("device" if chain and on_device == len(chain) else
                      "host" if chain and on_host == len(chain) else "missing")  # partial: the tokens say how much
             out.append({"session": session, "model": model, "kv_tokens": len(chain) * ps, "location": where,
                         "device_tokens": on_device * ps, "host_tokens": on_host * ps})
         return tuple(out)
 
-    def stats(self) -> InstanceStats:
+    def stats(self, exact: bool = True) -> InstanceStats:
         bs = self.batchers.values()
         pool = self.batchers[self.active].pages if self.active is not None else None
         last = self.switches[-1].to_dict() if self.switches else None
@@ -268,8 +274,8 @@ class Scheduler:
             host_restored_tokens=sum(b.restored_tokens for b in bs),
             switches=self.switch_count,
             last_switch=last,
-            substrate=self.memory.telemetry(),
-            sessions=self.session_states(),
+            substrate=self.memory.telemetry(self.clock(), slack=exact),
+            sessions=self.session_states(exact),
             pool="hot" if self.rounds is None else "cold",
             staged_model=self.memory.stager.target_model if self.memory.stager is not None else None,
             queues=tuple(ModelQueue(m, len(b.waiting), len(b.running), m == self.active)

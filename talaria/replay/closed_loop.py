@@ -5,6 +5,9 @@ across the configurations being compared, so only the server differs and agent p
 diverge. It is closed-loop: all sessions start together, and a session's next call is released
 after its previous call completes plus that call's recorded gap (capped; the paper caps at 10 s).
 Global interleaving therefore follows the server's completion times, as it would with real agents.
+A body may instead be a function of the previous call's result, built when that result is in: a
+synthesized prompt that repeats the previous output (`talaria replay` without trace bodies). Such
+bodies stay fixed across configurations only as far as the server's greedy output does.
 
 Every time is on the injected `clock` (default `time.monotonic`), and waiting goes through the
 injected `sleep`, so a test can drive the replay in virtual time. TTFT is schedule-aware: from the
@@ -38,7 +41,9 @@ ERROR_BODY_CHARS = 500  # how much of a non-JSON error body is kept
 class ReplayCall:
     """One model call of a session: sent verbatim (plus the streaming flags) once its gap elapses."""
 
-    body: dict[str, Any]  # request body: model, prompt or messages, max_tokens, ignore_eos, temperature, session_id
+    # request body (model, prompt or messages, max_tokens, ignore_eos, temperature, session_id), or a
+    # function that builds it from the previous call's result (None for the first call)
+    body: dict[str, Any] | Callable[[CallResult | None], dict[str, Any]]
     gap_before_s: float  # tool gap after the previous response; for the first call, the offset from the start
     endpoint: str = "/v1/completions"  # path under the base URL (or "/v1/chat/completions")
 
@@ -188,10 +193,12 @@ async def _session(http: httpx.AsyncClient, root: str, session: ReplaySession, s
     ready = start  # invariant: the previous call's done_s (the replay start before the first call)
     for index, call in enumerate(session.calls):
         intended = ready + min(call.gap_before_s, gap_cap_s)
+        # built before the gap, so building it does not delay the send
+        body = call.body(results[-1] if results else None) if callable(call.body) else call.body
         delay = intended - clock()
         if delay > 0:
             await sleep(delay)
-        result = await _send(http, root + call.endpoint, call.body, session.session_id, index, intended, clock)
+        result = await _send(http, root + call.endpoint, body, session.session_id, index, intended, clock)
         results.append(result)
         if on_call is not None:
             on_call(result)

@@ -19,7 +19,7 @@ from talaria.contracts.profile import (
     SwitchCost,
 )
 from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
-from talaria.router.router import InstanceView, Reason, RouteRequest, Router
+from talaria.router.router import InstanceView, Reason, Router, RouteRequest
 
 KV_PER_TOKEN = 1024
 PROFILE = Profile("toy", "cpu", 1, 1 << 30, "2026-11-30T00:00:00+00:00", "hand-written for tests",

@@ -38,7 +38,9 @@ from talaria.node.step_plan import MemoryOps, StepPlan, StopPlan, SwitchPlan
 
 class EngineCore:
     def __init__(self, instance: InstanceConfig, models: list[ModelFiles], group: TPGroup,
-                 clock: Callable[[], float] = time.monotonic, fault: TestOnlyFault | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, fault: TestOnlyFault | None = None,
+                 probes: Probes | None = None) -> None:
+        """probes: calibrate with these at start even when the config names a profile (`talaria profile`)."""
         self.instance = instance
         self.group = group
         self.substrate = sub = Substrate(instance, models, group)
@@ -54,8 +56,12 @@ class EngineCore:
         if group.rank == 0:
             # cold pools budget their rounds from predicted costs; the router ranks every instance by them
             rounds = instance.pool is Pool.COLD or len(models) > 1
-            self.profile = load_profile(instance.profile) if instance.profile else \
-                calibrate(self, Probes() if rounds else QUICK)
+            if probes is not None:
+                self.profile = calibrate(self, probes, method="talaria profile")
+            elif instance.profile:
+                self.profile = load_profile(instance.profile)
+            else:
+                self.profile = calibrate(self, Probes() if rounds else QUICK)
             missing = [m.name for m in models if m.name not in self.profile.models]
             if missing:
                 raise ValueError(f"profile {instance.profile} has no costs for {', '.join(missing)}; run "

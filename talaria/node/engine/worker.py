@@ -28,6 +28,7 @@ from talaria.contracts.call import (
     SwitchModel,
 )
 from talaria.models.source import ModelFiles
+from talaria.node.engine.calibrate import Probes
 from talaria.node.memory.rank_ledger import TestOnlyFault
 
 STATS_EVERY_S = 0.25
@@ -42,6 +43,7 @@ class WorkerSpec:
     master_port: int
     threads: int
     fault: TestOnlyFault | None = None  # tests only: corrupt one rank's HKVR agreement reports
+    probes: Probes | None = None  # `talaria profile`: calibrate with these, whatever the config says
 
 
 def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
@@ -63,7 +65,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                                 rank=spec.rank, world_size=tp, timeout=timedelta(days=7))
     t0 = time.monotonic()
     try:
-        core = EngineCore(spec.instance, list(spec.models), TPGroup(spec.rank, tp), fault=spec.fault)
+        core = EngineCore(spec.instance, list(spec.models), TPGroup(spec.rank, tp), fault=spec.fault,
+                          probes=spec.probes)
     except Exception as e:
         if conn is not None:
             conn.send([InstanceReady(spec.instance.name, (), 0, 0.0, error=f"{type(e).__name__}: {e}")])

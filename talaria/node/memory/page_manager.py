@@ -53,9 +53,12 @@ class PageManager:
         self._pins = [0] * num_pages  # DMA copies in flight (host saves): apart from radix references
         self._hash_of: list[int | None] = [None] * num_pages
         self._page_of: dict[int, int] = {}  # published hash -> page id
-        # invariant: a page is free (in exactly one of these) iff its ref and pin counts are 0
-        self._clean: list[int] = list(range(num_pages))  # heap of free pages caching nothing
+        # invariant: a page is free (clean or cached) iff its ref and pin counts are 0
+        self._clean: list[int] = list(range(num_pages))  # heap of free pages caching nothing, lazily pruned
+        self._is_clean = [True] * num_pages  # invariant: True iff the page is free and caches nothing
+        self._n_clean = num_pages  # pages with _is_clean (the heap may also hold stale entries of others)
         self._cached: OrderedDict[int, None] = OrderedDict()  # free published pages, oldest first
+        self.version = 0  # bumped by every change of which pages are free or cached (lets callers memoise scans)
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -63,12 +66,12 @@ class PageManager:
     def num_free(self) -> int:
         """Pages that an allocation may take now (unreferenced, unpinned, not blocked)."""
         blocked = self.blocked()
-        n = len(self._clean) + len(self._cached)
+        n = self._n_clean + len(self._cached)
         return n - sum(1 for p in blocked if self._is_free(p)) if blocked else n
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._clean) - len(self._cached)
+        return self.num_pages - self._n_clean - len(self._cached)
 
     def _is_free(self, page: int) -> bool:
         return self._ref[page] == 0 and self._pins[page] == 0
@@ -105,6 +108,7 @@ class PageManager:
 
     def acquire(self, pages: Seq[int]) -> None:
         """Take a reference on cached pages (a prefix hit)."""
+        self.version += 1
         for p in pages:
             if self._is_free(p):
                 del self._cached[p]  # a hit is always on a published page
@@ -112,18 +116,24 @@ class PageManager:
 
     def allocate(self, n: int) -> list[int]:
         """n fresh pages: lowest clean pages first, then evict cached ones; caller checks num_free."""
+        self.version += 1
         blocked = self.blocked()
-        if not blocked and n <= len(self._clean):  # the common case: pop the lowest clean pages
-            clean, evict = [heapq.heappop(self._clean) for _ in range(n)], []
-        else:
-            clean = heapq.nsmallest(n, (p for p in self._clean if p not in blocked))
+        clean, skipped = [], []
+        while len(clean) < n and self._clean:
+            p = heapq.heappop(self._clean)
+            if not self._is_clean[p]:
+                continue  # a stale entry: the page was pinned or published since it was pushed
+            (skipped if p in blocked else clean).append(p)
+        evict = []
+        if len(clean) < n:
             evict = [p for p in self._cached if p not in blocked][: n - len(clean)]
-            if len(clean) + len(evict) < n:  # decide before touching anything: a failure changes nothing
-                raise MemoryError(f"KV pool exhausted: need {n} pages, {len(clean) + len(evict)} free")
-            if clean:
-                taken = set(clean)
-                self._clean = [p for p in self._clean if p not in taken]
-                heapq.heapify(self._clean)
+        for p in clean + skipped if len(clean) + len(evict) < n else skipped:
+            heapq.heappush(self._clean, p)  # put back what is not taken
+        if len(clean) + len(evict) < n:  # decide before touching anything: a failure changes nothing
+            raise MemoryError(f"KV pool exhausted: need {n} pages, {len(clean) + len(evict)} free")
+        for p in clean:
+            self._is_clean[p] = False
+        self._n_clean -= len(clean)
         for p in evict:
             del self._cached[p]
             self._unpublish(p)
@@ -136,6 +146,7 @@ class PageManager:
 
     def release(self, pages: Seq[int]) -> None:
         """Drop one reference per page; unreferenced pages stay cached until evicted."""
+        self.version += 1
         for p in reversed(pages):  # the tail is evicted first: it is the least shareable
             self._ref[p] -= 1
             if self._is_free(p):
@@ -143,16 +154,18 @@ class PageManager:
 
     def pin(self, pages: Seq[int]) -> None:
         """A copy reads these pages (a host save): keep them from reuse until `unpin`."""
+        self.version += 1
         for p in pages:
             if self._is_free(p):  # take it off the free structures while the copy runs
                 if p in self._cached:
                     del self._cached[p]
                 else:
-                    self._clean.remove(p)
-                    heapq.heapify(self._clean)
+                    self._is_clean[p] = False  # its heap entry goes stale
+                    self._n_clean -= 1
             self._pins[p] += 1
 
     def unpin(self, pages: Seq[int]) -> None:
+        self.version += 1
         for p in reversed(pages):
             self._pins[p] -= 1
             if self._is_free(p):
@@ -161,6 +174,10 @@ class PageManager:
     def _free(self, page: int) -> None:
         if self._hash_of[page] is None:
             heapq.heappush(self._clean, page)
+            self._is_clean[page] = True
+            self._n_clean += 1
+            if len(self._clean) > 2 * self._n_clean + 1024:  # too many stale entries: rebuild
+                self._clean = [p for p in range(self.num_pages) if self._is_clean[p]]
         else:
             self._cached[page] = None
 
@@ -173,6 +190,7 @@ class PageManager:
 
     def publish(self, page: int, h: int) -> None:
         """Make a computed full page findable by its cumulative hash."""
+        self.version += 1
         if self._hash_of[page] is not None:
             return
         if h in self._page_of:  # the same content is already cached in another page

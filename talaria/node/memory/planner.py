@@ -21,6 +21,8 @@ from talaria.node.memory.page_manager import PageManager
 from talaria.node.memory.stager import GatherPlan, StagedChunk, Stager, SwitchPath
 from talaria.node.step_plan import MemoryOps, SaveOp, SwitchPlan
 
+SLACK_EVERY_S = 2.0  # staging slack is recomputed this often for telemetry (it scans the KV tail's pages)
+
 
 def full_h2d(weight_bytes: int) -> GatherPlan:
     """Open a model entirely from its host image (nothing staged)."""
@@ -48,6 +50,8 @@ class MemoryPlanner:
         self._poison: list[int] = []
         self._pool: PageManager | None = None
         self._finished: set[int] = set()  # sequences done on rank 0 whose ledgers may still be needed
+        self._slack, self._slack_at = 0, float("-inf")  # staging slack, and when it was computed
+        self._no_chunk_at: tuple | None = None  # (pool version, target) when next_chunk last found nothing
 
     @property
     def busy(self) -> bool:
@@ -92,8 +96,12 @@ class MemoryPlanner:
         agree = tuple((t, save.seq_id) for t, (save, _) in self._pending.items() if self._copies_done(t))
         saves = self._take_saves(batcher)
         stage = None
-        if self.stager is not None and self._writing is None and self.stager.target_model is not None:
+        key = (id(self._pool), self._pool.version, self.stager.target_model) \
+            if self.stager is not None and self._pool is not None else None
+        if self.stager is not None and self._writing is None and self.stager.target_model is not None \
+                and key != self._no_chunk_at:  # nothing changed since no chunk could be staged: skip the scan
             self._writing = self.stager.next_chunk(self._clean_free)
+            self._no_chunk_at = key if self._writing is None else None
             if self._writing is not None:
                 c = self._writing
                 stage = (self.stager.target_model, c.src.start, c.src.end, c.dst.start, c.dst.end)
@@ -161,11 +169,17 @@ class MemoryPlanner:
         if next_model is not None and next_model != active:
             self.stager.target(next_model, self.weight_bytes[next_model], self.layout.plan(active))
 
-    def telemetry(self) -> dict:
+    def telemetry(self, now: float | None = None, slack: bool = True) -> dict:
+        """Staging and HKVR state for the snapshot. Slack scans the staging chunks' pages, so it is
+        recomputed at most every SLACK_EVERY_S of `now` (always when `now` is None), and never
+        with `slack` False (the simulator's heartbeats: the router does not read it)."""
         out: dict = {}
         if self.stager is not None:
+            if slack and (now is None or now - self._slack_at >= SLACK_EVERY_S):
+                self._slack = self.stager.slack_bytes(self._clean_free) if self._pool else 0
+                self._slack_at = now if now is not None else self._slack_at
             out.update(staged_model=self.stager.target_model, staging_coverage=self.stager.coverage(),
-                       staging_slack_bytes=self.stager.slack_bytes(self._clean_free) if self._pool else 0)
+                       staging_slack_bytes=self._slack)
         if self.host is not None:
             st = self.host.stats()
             out.update(host_kv_slabs_used=st.used, host_kv_slabs_total=st.num_slabs, host_kv_hits=st.hits)

@@ -23,7 +23,9 @@ No tensors here: the engine does the copies; this class decides which bytes are 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
 
@@ -110,7 +112,7 @@ class Stager:
         self._srcs: tuple[Region, ...] = ()  # every chunk of the image, placed or not
         self._placed: tuple[StagedChunk, ...] = ()  # chunks 0..len-1, the ones with a destination
         self._state: list[ChunkState] = []  # per chunk of _srcs
-        self._chunks_on_page: dict[int, tuple[int, ...]] = {}  # A's page -> placed chunk indices
+        self._spans: list[tuple[int, int, int]] = []  # (first page, end page, chunk index), by first page
 
     # ---- targeting -------------------------------------------------------------------------
 
@@ -156,17 +158,15 @@ class Stager:
             placed.append(StagedChunk(j, src, dst, active.pages_overlapping(dst)))
             top = start
         self._placed = tuple(placed)
-        on_page: dict[int, list[int]] = {}
-        for c in placed:
-            for p in c.pages:
-                on_page.setdefault(p, []).append(c.index)
-        self._chunks_on_page = {p: tuple(ix) for p, ix in on_page.items()}
+        # chunks are placed downwards from the pool's top, so their page ranges are contiguous and
+        # neighbours share at most a boundary page: a sorted list finds a page's chunks by bisection
+        self._spans = sorted((c.pages.start, c.pages.stop, c.index) for c in placed if len(c.pages))
 
     def clear(self) -> None:
         """Forget the target (no next model is known); every chunk must be idle."""
         self._check_idle("clear the target")
         self._target = None
-        self._srcs, self._placed, self._state, self._chunks_on_page = (), (), [], {}
+        self._srcs, self._placed, self._state, self._spans = (), (), [], []
 
     # ---- the staging loop ------------------------------------------------------------------
 
@@ -195,15 +195,23 @@ class Stager:
         # A WRITING chunk cannot have been dirtied meanwhile: its pages were blocked (on_allocate raises).
         self._state[chunk.index] = ChunkState.CLEAN
 
-    def blocked_pages(self) -> frozenset[int]:
+    def _chunks_at(self, page: int) -> list[int]:
+        """Indices of the placed chunks whose pages include `page` (at most two)."""
+        i = bisect.bisect_right(self._spans, (page, float("inf"), 0))
+        return [j for first, end, j in self._spans[max(0, i - 2):i] if first <= page < end]
+
+    def blocked_pages(self) -> AbstractSet[int] | range:
         """Pages the KV allocator must not hand out: those under a chunk being written."""
         # invariant: a WRITING chunk's pages are never allocated
-        return frozenset(p for c in self._placed if self._state[c.index] is ChunkState.WRITING for p in c.pages)
+        writing = [c.pages for c in self._placed if self._state[c.index] is ChunkState.WRITING]
+        if len(writing) == 1:
+            return writing[0]  # a range: O(1) membership (one chunk is written at a time)
+        return frozenset(p for pages in writing for p in pages)
 
     def on_allocate(self, pages: Iterable[int]) -> None:
         """The KV allocator took `pages`: every CLEAN chunk overlapping them becomes DIRTY."""
         for p in pages:
-            for j in self._chunks_on_page.get(p, ()):
+            for j in self._chunks_at(p):
                 if self._state[j] is ChunkState.WRITING:
                     raise StagingError(f"KV page {p} was allocated while staged chunk {j} is being written "
                                        "to it; the allocator must skip blocked_pages()")

@@ -1,0 +1,200 @@
+"""One instance in virtual time: the live node's scheduler and memory bookkeeping, no tensors.
+
+A `SimInstance` builds exactly what `EngineCore` builds on rank 0 — a `Scheduler` over `Batcher`s,
+a `MemoryPlanner` over `BumpLayout`, `HostKVRegistry` and `Stager`, and for cold pools the
+`RoundScheduler` — from the instance's config and the profile's model sizes. Where the engine would
+run a step, the simulator charges its cost from the profile and commits it when the virtual clock
+gets there; one `RankLedger` stands in for the ranks' KV (they agree by construction). D2H saves
+and staging copies finish after their bytes / bandwidth, checked when the planner asks, as the
+engine's copy events are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from talaria.config.schema import Ablation, InstanceConfig, Pool
+from talaria.contracts.call import CallOutput, InstanceCall
+from talaria.contracts.profile import PHASE_NAMES, Profile
+from talaria.node.batcher import Batcher
+from talaria.node.cost_model import CostModel
+from talaria.node.memory.bump_layout import BumpLayout
+from talaria.node.memory.host_kv_registry import HostKVRegistry
+from talaria.node.memory.page_manager import PageManager
+from talaria.node.memory.planner import MemoryPlanner, full_h2d
+from talaria.node.memory.rank_ledger import RankLedger
+from talaria.node.memory.stager import Stager
+from talaria.node.memory.switch_record import RankSwitchRecord, SwitchRecord
+from talaria.node.round_scheduler import RoundConfig, RoundScheduler
+from talaria.node.scheduler import Scheduler
+from talaria.node.step_plan import MemoryOps, StepPlan, SwitchPlan
+from talaria.sim.loop import EventLoop
+
+RUNTIME_BYTES = 1 << 30  # per rank at most: attention workspace, graphs; small arenas (CPU) get 1/64 of it
+ALIGN = 256
+IDLE_RETRY_S = 0.001  # work that cannot move yet (KV pinned by a save in flight) is retried this soon
+MAX_CONTEXT = 1 << 20  # tokens; the trace, not the model card, bounds a simulated call
+
+
+class SimInstance:
+    def __init__(self, config: InstanceConfig, profile: Profile, loop: EventLoop,
+                 on_outputs: Callable[[SimInstance, list[CallOutput]], None],
+                 on_events: Callable[[list], None]) -> None:
+        self.config = config
+        self.name = config.name
+        self.profile = profile
+        self.loop = loop
+        self.clock = loop.clock
+        self._on_outputs = on_outputs
+        self._on_events = on_events
+        ps = config.page_size
+        models = list(config.models)
+        self.runtime_bytes = min(RUNTIME_BYTES, config.arena_bytes // 64) // ALIGN * ALIGN
+        self.layout = BumpLayout(config.arena_bytes, self.runtime_bytes, ALIGN)
+        for m in models:
+            mp = profile.model(m)
+            self.layout.register(m, mp.weights_bytes, mp.kv_bytes_per_token * ps)
+        slab_bytes = max(profile.model(m).kv_bytes_per_token * ps for m in models)
+        slabs = config.host_kv_bytes // slab_bytes if config.enabled(Ablation.HKVR) else 0
+        self.host = HostKVRegistry(slabs, slab_bytes) if slabs else None
+        self.stager = Stager(config.staging_chunk_bytes, ALIGN) \
+            if config.enabled(Ablation.STAGING) and len(models) > 1 else None
+        self._copies: dict[int, float] = {}  # save ticket -> when its D2H copies finish
+        self._staging_until = 0.0
+        self.memory = MemoryPlanner(self.layout, {m: profile.model(m).weights_bytes for m in models}, ps,
+                                    self.host, self.stager, False, self._copy_done, self._staging_done,
+                                    lambda ticket: None, lambda: None)
+        batchers = {m: Batcher(m, PageManager(self.layout.plan(m).num_pages, ps), config.max_batch_tokens,
+                               config.max_running, MAX_CONTEXT, (), self.host) for m in models}
+        rounds = None
+        if config.pool is Pool.COLD or len(models) > 1:
+            rc = RoundConfig(config.ttft_s, config.tpot_s, config.gamma, config.enabled(Ablation.SP),
+                             config.slot_order, config.slot_length, config.max_batch_tokens)
+            costs = CostModel(profile, alpha=0.0)  # the simulator charges the profile exactly
+
+            def rounds(b, clock, emit, switch_path, known):
+                return RoundScheduler(b, costs, clock, rc, emit, switch_path, known, ps)
+        self.scheduler = Scheduler(config.name, batchers, self.clock, self.memory, rounds)
+        self.ledger = RankLedger(0, ps)
+        opening = SwitchPlan(models[0], full_h2d(profile.model(models[0]).weights_bytes))
+        self.scheduler.switched(opening, None, [])
+        self.busy = False
+        self.hbm_peak_bytes = 0
+
+    # ---- calls in ---------------------------------------------------------------------------
+
+    def add(self, call: InstanceCall) -> None:
+        outputs = self.scheduler.add(call)
+        if outputs:
+            self._on_outputs(self, outputs)
+        self.kick()
+
+    def kick(self) -> None:
+        """Start stepping if idle."""
+        if not self.busy:
+            self.busy = True
+            self.loop.after(0.0, self._step)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        if not self.scheduler.has_work:
+            self.busy = False
+            return
+        plan = self.scheduler.plan()
+        self._drain()
+        if plan is None:
+            self.loop.after(IDLE_RETRY_S, self._step)
+            return
+        if isinstance(plan, SwitchPlan):
+            record, seconds = self._switch_record(plan)
+            self.loop.after(seconds, lambda: self._switched(plan, record))
+            return
+        seconds = self.step_cost(plan)
+        ops = plan.ops or MemoryOps()
+        now = self.clock()
+        for save in ops.saves:  # D2H beside the step: done after its bytes at the host link's rate
+            nbytes = len(save.copies) * self.memory.page_size * self.profile.model(plan.model).kv_bytes_per_token
+            self._copies[save.ticket] = now + nbytes / self.profile.bandwidth.d2h_bytes_per_s
+        if ops.stage is not None:
+            _, src0, src1, _, _ = ops.stage
+            self._staging_until = now + (src1 - src0) / self.profile.bandwidth.h2d_bytes_per_s
+        seconds = max(seconds, IDLE_RETRY_S if not plan.chunks else 0.0)
+        self.loop.after(seconds, lambda: self._commit(plan, seconds))
+
+    def step_cost(self, plan: StepPlan) -> float:
+        """Seconds of one engine step, from the profile: one batched prefill, one decode step, restores."""
+        mp = self.profile.model(plan.model)
+        prefill = [c for c in plan.chunks if len(c.token_ids) > 1 or not c.sample]
+        decode = [c for c in plan.chunks if len(c.token_ids) == 1 and c.sample]
+        t = 0.0
+        if prefill:
+            t += mp.prefill.base_s + sum(mp.prefill.seconds(len(c.token_ids), c.start_pos) - mp.prefill.base_s
+                                         for c in prefill)
+        if decode:
+            t += mp.decode.seconds(len(decode), sum(c.context_len for c in decode))
+        if plan.ops is not None and plan.ops.restores:
+            t += self.profile.restore_s(plan.model, len(plan.ops.restores) * self.memory.page_size)
+        return t
+
+    def _commit(self, plan: StepPlan, seconds: float) -> None:
+        ops = plan.ops or MemoryOps()
+        for c in plan.chunks:
+            self.ledger.record(c.seq_id, c.start_pos, c.token_ids, c.prefix)
+        reports = [[self.ledger.report(seq_id) for _, seq_id in ops.agree]] if ops.agree else None
+        sampled = {c.seq_id: self._token(c) for c in plan.chunks if c.sample}
+        outputs = self.scheduler.commit(plan, sampled, seconds, reports)
+        for seq_id in ops.forget:
+            self.ledger.forget(seq_id)
+        self._note_hbm(plan.model)
+        self._drain()
+        if outputs:
+            self._on_outputs(self, outputs)
+        self.loop.after(0.0, self._step)
+
+    def _token(self, chunk) -> int:
+        """The token a sampling step draws: a fixed function of the position, so output is reproducible."""
+        return (chunk.context_len * 2654435761 + chunk.seq_id) % 251 + 3
+
+    def _switch_record(self, plan: SwitchPlan) -> tuple[SwitchRecord, float]:
+        """The switch's five phases from the profile; a partial path interpolates by staged bytes."""
+        g, path = plan.gather, plan.gather.path.value
+        mp = self.profile.model(plan.model)
+        phases = list(mp.switch[path].phase_s) if path in mp.switch else None
+        if phases is None:
+            base = next(iter(mp.switch.values())).phase_s if mp.switch else (0.0,) * len(PHASE_NAMES)
+            phases = list(base)
+            phases[1] = self.profile.switch_s(plan.model, path) - (sum(base) - base[1])
+        if path == "partial" and "full_d2d" in mp.switch and "h2d_only" in mp.switch:
+            d2d, h2d = mp.switch["full_d2d"].phase_s[1], mp.switch["h2d_only"].phase_s[1]
+            phases[1] = d2d + (h2d - d2d) * g.h2d_bytes / max(1, g.total_bytes)
+        rank = RankSwitchRecord(0, self.scheduler.active, plan.model, g.path, tuple(p * 1000 for p in phases),
+                                g.staged_bytes, g.dirty_bytes, g.total_bytes, False)
+        return SwitchRecord((rank,)), sum(phases)
+
+    def _switched(self, plan: SwitchPlan, record: SwitchRecord) -> None:
+        reports = [[self.ledger.report(seq_id) for _, seq_id in plan.ops.agree]]
+        self.scheduler.switched(plan, record, reports)
+        self._drain()
+        self.loop.after(0.0, self._step)
+
+    # ---- the planner's copy events -------------------------------------------------------------
+
+    def _copy_done(self, ticket: int) -> bool:
+        return self.clock() >= self._copies.get(ticket, 0.0)
+
+    def _staging_done(self) -> bool:
+        return self.clock() >= self._staging_until
+
+    # ---- reporting --------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        events = self.scheduler.drain_events()
+        if events:
+            self._on_events(events)
+
+    def _note_hbm(self, model: str) -> None:
+        plan = self.layout.plan(model)
+        pool = self.scheduler.batchers[model].pages
+        used = plan.weights.size + pool.num_used * plan.page_bytes + self.runtime_bytes
+        self.hbm_peak_bytes = max(self.hbm_peak_bytes, used)
