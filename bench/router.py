@@ -33,9 +33,6 @@ import gc
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +44,12 @@ from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
     render,
+)
+from server import (  # bench/server.py
+    START_TIMEOUT_S,
+    start_server,
+    stop_server,
+    wait_healthy,
 )
 
 from talaria.config.schema import RouterConfig, RouterPolicy
@@ -88,7 +91,7 @@ ROUND_S = 1.6  # gamma * ttft_s at the defaults
 GATEWAY_MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs!"[:64]
 WARMUP_REQUESTS = 20
-START_TIMEOUT_S = 300  # the first start generates the synthetic weights into ~/.cache/talaria
+
 
 
 # ---- the router at scale -----------------------------------------------------------------------
@@ -278,45 +281,6 @@ models = ["{GATEWAY_MODEL}"]
 tp = 1
 arena_bytes = "64MiB"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(config: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "talaria.cli.main", "up", "--config", str(config),
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"talaria up exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"talaria up not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def measure_gateway(requests: int, log: ProgressLog) -> dict:

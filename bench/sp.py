@@ -24,12 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -39,11 +35,11 @@ from report import (  # bench/report.py, beside this script
     environment,
     render,
 )
+from server import start_server, stop_server, wait_healthy  # bench/server.py
 
 from talaria.replay import ReplayResult, agent_sessions, percentile, replay_sync
 
 MODELS = ("tiny-llama", "tiny-qwen3")
-START_TIMEOUT_S = 300  # first start generates the synthetic weights into ~/.cache/talaria
 SHAPE = """hidden_size = 128
 intermediate_size = 256
 num_layers = 4
@@ -66,47 +62,6 @@ def config_text(tp: int, ttft_s: float, tpot_s: float, gamma: float, ablations: 
             f"ttft_s = {ttft_s}\ntpot_s = {tpot_s}\ngamma = {gamma}\nablations = {json.dumps(ablations)}\n\n"
             '[router]\npolicy = "session-sticky"\n\n'  # one instance: routing is not what is measured
             f'[telemetry]\nevents_path = "{events}"\n')
-
-
-# ---- the server, as tests/conftest.py starts it -----------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(config: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "talaria.cli.main", "up", "--config", str(config),
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"talaria up exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"talaria up not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---- one run ---------------------------------------------------------------------------------

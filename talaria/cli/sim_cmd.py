@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,12 +25,16 @@ import click
               help="Without --config: the cold instance's TTFT target (the paper does not give it).")
 @click.option("--tpot-s", type=float, default=0.2, show_default=True, help="Without --config: TPOT target.")
 @click.option("--gamma", type=float, default=0.8, show_default=True, help="Without --config: round margin.")
+@click.option("--instances", type=click.IntRange(1), default=1, show_default=True,
+              help="Without --config: identical cold instances (paper-tp4: 2 workers).")
+@click.option("--lease-s", type=float, help="Override [router] lease_s (tau) for every variant.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every variant's summary here.")
 @click.option("--events", "events_path", type=click.Path(path_type=Path),
               help="Write the first variant's event log here (JSONL, the records a live node writes).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulated token streams.")
 def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | None, compare: str, ttft_s: float, tpot_s: float,
-        gamma: float, json_path: Path | None, events_path: Path | None, seed: int) -> None:
+        gamma: float, instances: int, lease_s: float | None, json_path: Path | None, events_path: Path | None,
+        seed: int) -> None:
     """Simulate a trace on a node: SCT, TTFT, switch paths, rounds and SP admissions per variant.
 
     The router, the round scheduler with session-prefill, the host KV registry and the stager are
@@ -49,7 +54,10 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
             for mp in load_profile(extra).models.values():
                 profile = profile.with_model(mp)
         trace = read_trace(trace_path)
-        config = load_config(config_path) if config_path else profile_topology(profile, ttft_s, tpot_s, gamma)
+        config = load_config(config_path) if config_path else profile_topology(profile, ttft_s, tpot_s, gamma,
+                                                                                instances)
+        if lease_s is not None:
+            config = dataclasses.replace(config, router=dataclasses.replace(config.router, lease_s=lease_s))
         names = [n.strip() for n in compare.split(",") if n.strip()]
         variants = {n: variant(config, n) for n in names}
     except (ProfileError, TraceError, ConfigError, ValueError) as e:

@@ -124,12 +124,18 @@ class Simulation:
         rid = f"{session}#{index}"
         self.records.setdefault(rid, CallRecord(session, index, intended))
         req = RouteRequest(call.model, session, len(prompt), max(1, call.completion_tokens), rid)
-        self._route(call, prompt, req)
+        self._route(call, prompt, req, self.clock())
 
-    def _route(self, call: TraceCall, prompt: list[int], req: RouteRequest) -> None:
+    def _route(self, call: TraceCall, prompt: list[int], req: RouteRequest, since: float) -> None:
         decision = self.router.route(req)
         if decision.instance is None:
-            self.loop.after(RETRY_S, lambda: self._route(call, prompt, req))
+            if self.clock() - since < self.config.router.queue_timeout_s:
+                self.loop.after(RETRY_S, lambda: self._route(call, prompt, req, since))
+                return
+            # the gateway would answer 429 now; the replay records the error and the session goes on
+            rec = self.records[req.request_id]
+            rec.done, rec.error = self.clock(), "rejected: no instance admitted the call"
+            self._next(call, self.clock())
             return
         self.router.sent(decision.instance)
         self.records[req.request_id].instance = decision.instance
@@ -167,13 +173,17 @@ class Simulation:
             self.router.finished(inst.name)
             self.router.complete(req, inst.name, len(prompt) + len(generated) - 1)
             self._context[call.session] = prompt + generated
-            calls = self.sessions[call.session]
-            if call.index + 1 < len(calls):
-                nxt = calls[call.index + 1]
-                gap = min(nxt.gap_s, self.options.gap_cap_s)
-                self.loop.after(gap, lambda s=call.session, i=nxt.index, t=now + gap: self._send(s, i, t))
-            else:
-                self._left -= 1
+            self._next(call, now)
+
+    def _next(self, call: TraceCall, now: float) -> None:
+        """Release the session's next call after its (capped) gap, or count the session done."""
+        calls = self.sessions[call.session]
+        if call.index + 1 < len(calls):
+            nxt = calls[call.index + 1]
+            gap = min(nxt.gap_s, self.options.gap_cap_s)
+            self.loop.after(gap, lambda s=call.session, i=nxt.index, t=now + gap: self._send(s, i, t))
+        else:
+            self._left -= 1
 
     def _events(self, events: list[Event]) -> None:
         for e in events:
@@ -197,11 +207,13 @@ def _router_summary(router: Router) -> dict:
             "same_instance_returns": st.same_instance_returns, "avoidable_opens": st.avoidable_opens}
 
 
-def profile_topology(profile: Profile, ttft_s: float, tpot_s: float, gamma: float) -> TalariaConfig:
-    """The profile's own node: one cold instance over every model, sized from the profile."""
+def profile_topology(profile: Profile, ttft_s: float, tpot_s: float, gamma: float, instances: int = 1) -> TalariaConfig:
+    """The profile's own node: `instances` cold instances over every model, sized from the profile
+    (80% of device memory for the managed arena, paper App. E; 200 GiB of host KV per rank)."""
     from talaria.config.schema import Device, ModelConfig, Pool
-    inst = InstanceConfig("cold-0", Pool.COLD, tuple(profile.models), tp=profile.tp, device=Device(profile.device),
-                          arena_bytes=int(profile.device_bytes * 0.8), page_size=64, max_batch_tokens=8192,
-                          max_running=256, host_kv_bytes=200 << 30, staging_chunk_bytes=512 << 20,
-                          ttft_s=ttft_s, tpot_s=tpot_s, gamma=gamma)
-    return TalariaConfig(None, models=tuple(ModelConfig(m, "synthetic:") for m in profile.models), instances=(inst,))
+    insts = tuple(InstanceConfig(f"cold-{i}", Pool.COLD, tuple(profile.models), tp=profile.tp,
+                                 device=Device(profile.device), arena_bytes=int(profile.device_bytes * 0.8),
+                                 page_size=64, max_batch_tokens=8192, max_running=256, host_kv_bytes=200 << 30,
+                                 staging_chunk_bytes=512 << 20, ttft_s=ttft_s, tpot_s=tpot_s, gamma=gamma)
+                  for i in range(instances))
+    return TalariaConfig(None, models=tuple(ModelConfig(m, "synthetic:") for m in profile.models), instances=insts)
