@@ -66,6 +66,7 @@ class RoundConfig:
     order: SlotOrder = SlotOrder.ROUND_ROBIN
     length: SlotLength = SlotLength.DEMAND
     max_batch_tokens: int = 512  # tokens per engine step
+    min_chunk_tokens: int = 0  # smallest P/SP chunk worth a step; 0 = max(page, max_batch_tokens / 4)
 
     @property
     def round_s(self) -> float:
@@ -134,7 +135,9 @@ class RoundScheduler:
         self._emit = emit  # emit(kind, **data)
         self._switch_path = switch_path  # the load path a switch to this model would take now
         self._known = known_session  # a session this instance has served (continuations only)
-        self.min_chunk = page_size  # the smallest prefill chunk worth a step
+        self.page_size = page_size
+        # the smallest prefill chunk worth a step: a forward's fixed cost makes tiny chunks waste the slot
+        self.min_chunk = config.min_chunk_tokens or max(page_size, config.max_batch_tokens // 4)
         self._order = list(batchers)
         self._numbers = count(1)
         self.round: Round | None = None
@@ -367,8 +370,8 @@ class RoundScheduler:
             cached, restore, todo = seq.num_computed, 0.0, seq.num_uncomputed
         else:
             on_device, on_host = b.reusable(seq)
-            cached = (on_device + on_host) * self.min_chunk
-            restore = self.costs.restore_s(model, on_host * self.min_chunk)
+            cached = (on_device + on_host) * self.page_size
+            restore = self.costs.restore_s(model, on_host * self.page_size)
             todo = len(seq.token_ids) - cached
         hi = min(todo, tokens)
         lo = min(hi, self.min_chunk)

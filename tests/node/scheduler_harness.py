@@ -49,7 +49,7 @@ PREFILL_S = 1 / 64  # per token
 DECODE_S = 1 / 16  # per step
 SWITCH_S = 1 / 8  # H2D open
 RESTORE_S = 1 / 256  # per token
-ROUNDS = RoundConfig(ttft_s=1.25, tpot_s=0.25, gamma=0.8, max_batch_tokens=32)
+ROUNDS = RoundConfig(ttft_s=1.25, tpot_s=0.25, gamma=0.8, max_batch_tokens=32, min_chunk_tokens=PS)
 
 
 def toy_profile(models: Seq[str]) -> Profile:

@@ -182,3 +182,11 @@ def test_an_infeasible_tpot_target_is_reported():
     inst.until_idle(arrivals={0.0: [call("r", range(100, 104), max_tokens=3)]})
     assert inst.scheduler.rounds.deadline_risk["tpot_infeasible"] >= 1  # a decode step takes 1/16 s > 1/32
     assert inst.scheduler.stats().substrate is not None
+
+
+def test_by_default_a_prefill_chunk_is_at_least_a_quarter_of_the_step_budget():
+    """A forward pass has a fixed cost: SP steps of a page each would spend the slot on overhead."""
+    inst = instance("a", "b", rounds=dataclasses.replace(ROUNDS, min_chunk_tokens=0))
+    assert inst.scheduler.rounds.min_chunk == 32 // 4
+    inst = instance("a", "b", rounds=dataclasses.replace(ROUNDS, min_chunk_tokens=0), max_batch_tokens=8)
+    assert inst.scheduler.rounds.min_chunk == 4  # never below a page
