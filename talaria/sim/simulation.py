@@ -210,10 +210,13 @@ def _router_summary(router: Router) -> dict:
 def profile_topology(profile: Profile, ttft_s: float, tpot_s: float, gamma: float, instances: int = 1) -> TalariaConfig:
     """The profile's own node: `instances` cold instances over every model, sized from the profile
     (80% of device memory for the managed arena, paper App. E; 200 GiB of host KV per rank)."""
-    from talaria.config.schema import Device, ModelConfig, Pool
+    from talaria.config.schema import Device, ModelConfig, Overload, Pool, RouterConfig
     insts = tuple(InstanceConfig(f"cold-{i}", Pool.COLD, tuple(profile.models), tp=profile.tp,
                                  device=Device(profile.device), arena_bytes=int(profile.device_bytes * 0.8),
                                  page_size=64, max_batch_tokens=8192, max_running=256, host_kv_bytes=200 << 30,
                                  staging_chunk_bytes=512 << 20, ttft_s=ttft_s, tpot_s=tpot_s, gamma=gamma)
                   for i in range(instances))
-    return TalariaConfig(None, models=tuple(ModelConfig(m, "synthetic:") for m in profile.models), instances=insts)
+    # the paper's node queues what it cannot admit yet: spill (to the least loaded instance) never rejects
+    router = RouterConfig(overload=Overload.SPILL)
+    return TalariaConfig(None, models=tuple(ModelConfig(m, "synthetic:") for m in profile.models), instances=insts,
+                         router=router)
