@@ -9,7 +9,7 @@ streams from them, and a live replay sends the optional `body` verbatim.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -102,7 +102,3 @@ def sessions(calls: Iterable[TraceCall]) -> dict[str, list[TraceCall]]:
     for c in calls:
         out.setdefault(c.session, []).append(c)
     return out
-
-
-def iter_sessions(calls: Iterable[TraceCall]) -> Iterator[tuple[str, list[TraceCall]]]:
-    yield from sessions(calls).items()

@@ -11,7 +11,6 @@ Route and lease events go to the node's event log with instance "router".
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,8 +36,6 @@ from talaria.router.router import InstanceView, RouteDecision, Router, RouteRequ
 if TYPE_CHECKING:
     from talaria.node.supervisor import Supervisor
     from talaria.router.peers import PeerLink
-
-log = logging.getLogger(__name__)
 
 QUEUE_POLL_S = 0.05  # overload = "queue": how often a held call asks the router again
 RATE_LIMITED = "rate_limit_exceeded"
