@@ -21,13 +21,18 @@ import torch
 
 from talaria.config.schema import Device
 from talaria.contracts.profile import (
+    PROFILE_SCHEMA,
     Bandwidth,
     ModelProfile,
     Profile,
+    ProfileError,
     SwitchCost,
     fit_decode,
     fit_prefill,
+    load_profile,
+    save_profile,
 )
+from talaria.models.conversion_cache import default_cache_dir, fingerprint
 from talaria.node.memory.planner import full_h2d
 from talaria.node.memory.switch_record import SwitchRecord
 from talaria.node.step_plan import MemoryOps, SeqChunk, StepPlan, SwitchPlan
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
     from talaria.node.engine.core import EngineCore
 
 PROBE_ID = -1_000_000  # sequence ids of probes: below anything a scheduler hands out
+PROFILE_CACHE_AGE_S = 7 * 24 * 3600.0  # a start-up profile is measured again after a week
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,37 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
         bandwidth=_bandwidth(sub.arena.device, probes.copy_bytes),
         models=models,
     )
+
+
+def cached_calibration(core: EngineCore, probes: Probes, max_age_s: float = PROFILE_CACHE_AGE_S) -> Profile:
+    """`calibrate`, unless this machine measured the same instance shape and models recently.
+
+    Start-up profiles are cached under the conversion cache (`$TALARIA_CACHE_DIR/profiles`), keyed
+    by everything that moves the numbers: hardware, torch threads, the instance's shape, each
+    model's files and dtype, and the probes. A restart then skips the probes; the live EWMA
+    (`CostModel`) corrects whatever drift there is. `talaria profile` always measures.
+    """
+    inst, sub = core.instance, core.substrate
+    key = fingerprint({
+        "schema": PROFILE_SCHEMA, "hardware": _hardware(inst.device, torch.get_num_threads()),
+        "threads": torch.get_num_threads(), "tp": inst.tp, "device": inst.device.value,
+        "arena": inst.arena_bytes, "page": inst.page_size, "batch": inst.max_batch_tokens,
+        "running": inst.max_running, "probes": repr(probes),
+        # converted and synthetic models live in folders named by a content key; HF folders by their name
+        "models": [(n, img.files.directory.name, repr(img.files.arch), img.files.dtype) for n, img in sub.images.items()],
+    })
+    path = default_cache_dir() / "profiles" / f"{key}.toml"
+    try:
+        if time.time() - path.stat().st_mtime < max_age_s:
+            return load_profile(path)
+    except (OSError, ProfileError):
+        pass  # absent, old or unreadable: measure
+    profile = calibrate(core, probes)
+    try:
+        save_profile(profile, path)
+    except OSError:
+        pass  # a read-only cache only costs the next start its probes
+    return profile
 
 
 def _open(core: EngineCore, name: str) -> SwitchRecord | None:

@@ -20,7 +20,7 @@ from talaria.models.source import ModelFiles
 from talaria.node.batcher import Batcher
 from talaria.node.cost_model import CostModel
 from talaria.node.engine.arena import ALIGN
-from talaria.node.engine.calibrate import QUICK, Probes, calibrate
+from talaria.node.engine.calibrate import QUICK, Probes, cached_calibration, calibrate
 from talaria.node.engine.parallel import TPGroup
 from talaria.node.engine.runner import run_step
 from talaria.node.engine.sampler import Sampler
@@ -61,7 +61,7 @@ class EngineCore:
             elif instance.profile:
                 self.profile = load_profile(instance.profile)
             else:
-                self.profile = calibrate(self, Probes() if rounds else QUICK)
+                self.profile = cached_calibration(self, Probes() if rounds else QUICK)
             missing = [m.name for m in models if m.name not in self.profile.models]
             if missing:
                 raise ValueError(f"profile {instance.profile} has no costs for {', '.join(missing)}; run "
