@@ -87,6 +87,8 @@ class Simulation:
         self.events: list[Event] = []
         self.counts: dict[str, int] = {}
         self.switches: list[dict] = []
+        self.placements = 0  # calls placed on an instance
+        self.residency_hits = 0  # ... where their model was active or staged
         self.rounds: list[dict] = []
         self.records: dict[str, CallRecord] = {}
         self._pending: dict[str, tuple[TraceCall, list[int], RouteRequest]] = {}  # request -> (call, prompt, req)
@@ -110,7 +112,9 @@ class Simulation:
                 sct[name] = recs[-1].done - recs[0].intended
         hbm = max((i.hbm_peak_bytes for i in self.instances.values()), default=0)
         return SimResult(list(self.records.values()), sct, self.events, self.counts, self.switches, self.rounds,
-                         hbm, self.clock(), time.perf_counter() - t0, _router_summary(self.router))
+                         hbm, self.clock(), time.perf_counter() - t0,
+                         {**_router_summary(self.router),
+                          "model_residency_hit_rate": self.residency_hits / max(1, self.placements)})
 
     def _heartbeat(self) -> None:
         for name, inst in self.instances.items():
@@ -193,6 +197,15 @@ class Simulation:
                 self.switches.append({"path": e.data["path"], "total_ms": e.data["total_ms"], "t": e.t})
             elif kind == "round":
                 self.rounds.append(e.data)
+            elif kind == "route" and e.data.get("target") is not None:
+                # model residency: the call landed where its model was active or staged (no open needed)
+                self.placements += 1
+                cost = e.data.get("cost")
+                view = self.router.views.get(e.data["target"])
+                snap = view.snapshot if view is not None else None
+                held = cost["opens"] is False if cost else (snap is not None and e.data["model"] in
+                                                            (snap.active_model, snap.staged_model))
+                self.residency_hits += held
         if self.options.keep_events:
             self.events.extend(events)
 
