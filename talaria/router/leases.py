@@ -57,13 +57,8 @@ class LeaseTable:
             heapq.heapify(self._heap)
         return lease
 
-    def live(self, session: str, model: str, now: float) -> Lease | None:
-        """The session's live lease for `model`, if any (expired ones are swept first)."""
-        self.sweep(now)
-        return self._leases.get((session, model))
-
     def get(self, session: str, model: str) -> Lease | None:
-        """Like `live`, for a caller that has just swept."""
+        """The session's lease for `model`, if any; live as of the last `sweep`."""
         return self._leases.get((session, model))
 
     def take(self, lease: Lease) -> None:

@@ -181,7 +181,7 @@ def test_an_infeasible_tpot_target_is_reported():
     inst = instance("a", "b", rounds=RoundConfig(ttft_s=1.25, tpot_s=1 / 32, gamma=0.8, max_batch_tokens=32))
     inst.until_idle(arrivals={0.0: [call("r", range(100, 104), max_tokens=3)]})
     assert inst.scheduler.rounds.deadline_risk["tpot_infeasible"] >= 1  # a decode step takes 1/16 s > 1/32
-    assert inst.scheduler.stats().substrate is not None
+    assert inst.scheduler.stats().rounds.deadline_risk["tpot_infeasible"] >= 1  # and telemetry says so
 
 
 def test_by_default_a_prefill_chunk_is_at_least_a_quarter_of_the_step_budget():

@@ -8,16 +8,12 @@ Exact timing checks use `VirtualTime`, a clock that moves only when the replay s
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 import pytest
-import uvicorn
 
-from talaria.config.schema import RouterConfig, RouterPolicy
 from talaria.replay import (
     ReplayCall,
     ReplaySession,
@@ -25,9 +21,8 @@ from talaria.replay import (
     percentile,
     replay_sync,
 )
-from talaria.router.gateway import create_app
 from tests.conftest import free_port
-from tests.router.fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor
+from tests.router.fakes import MODEL, FakeEchoGroup, serve_over_loopback
 
 
 @dataclass
@@ -51,21 +46,8 @@ class EchoServer:
 @pytest.fixture
 def echo() -> Iterator[EchoServer]:
     group = RecordingGroup("hot0")
-    # one group: any routing policy serves it; name one so the router's default cannot matter here
-    router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE)
-    app = create_app(FakeEchoSupervisor([group], router=router, max_position=4096))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield EchoServer(f"http://127.0.0.1:{sock.getsockname()[1]}", group)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_over_loopback(group) as url:
+        yield EchoServer(url, group)
 
 
 class VirtualTime:

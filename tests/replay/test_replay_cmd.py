@@ -1,5 +1,5 @@
 """`talaria replay` through click's CliRunner against the real gateway over loopback HTTP, with
-FakeEchoSupervisor behind it (served by uvicorn in a thread, as in test_closed_loop.py).
+FakeEchoSupervisor behind it (`serve_over_loopback`).
 
 The echo groups answer with the prompt's first bytes, so a synthesized prompt that reuses the
 previous output can be checked byte for byte. Gap checks use the real clock with a wide tolerance.
@@ -8,46 +8,22 @@ previous output can be checked byte for byte. Gap checks use the real clock with
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
-import uvicorn
 from click.testing import CliRunner
 
 from talaria.cli.main import cli
-from talaria.config.schema import RouterConfig, RouterPolicy
 from talaria.contracts.trace import TraceCall, write_trace
-from talaria.router.gateway import create_app
 from tests.conftest import free_port
-from tests.router.fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor
+from tests.router.fakes import MODEL, FakeEchoGroup
+from tests.router.fakes import serve_over_loopback as serve
 
 SUMMARY_KEYS = {"sessions", "calls", "errors", "wall_s", "sct_sum_s", "sct_p50_s", "sct_p95_s", "ttft_p50_s",
                 "ttft_p95_s"}
-
-
-@contextmanager
-def serve(group: FakeEchoGroup, api_key: str | None = None) -> Iterator[str]:
-    """The gateway over `group` on a loopback socket bound before uvicorn starts; yields its URL."""
-    router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE)
-    app = create_app(FakeEchoSupervisor([group], api_key=api_key, router=router, max_position=4096))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture

@@ -9,7 +9,10 @@ Nothing here runs a model; the real-engine end-to-end tests live elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -150,3 +153,26 @@ class FakeEchoSupervisor:
 
     def stats(self) -> list[InstanceStats]:
         return list(self.instance_stats)
+
+
+@contextmanager
+def serve_over_loopback(group: FakeEchoGroup, api_key: str | None = None) -> Iterator[str]:
+    """The real gateway over `group` under uvicorn in a thread, on a socket bound before the thread
+    starts (the kernel queues connections until uvicorn accepts them: no start-up wait); its URL."""
+    import uvicorn
+
+    from talaria.router.gateway import create_app
+
+    app = create_app(FakeEchoSupervisor([group], api_key=api_key, max_position=4096))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

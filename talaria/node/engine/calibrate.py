@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -60,16 +59,13 @@ QUICK = Probes(prefill_tokens=(16, 128), cached_tokens=(128,), decode_batches=(1
                repeats=2, copy_bytes=8 << 20)  # hot instances: the router's cost model, in a second or two
 
 
-def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration",
-              progress: Callable[[str], None] | None = None) -> Profile:
+def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration") -> Profile:
     """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile."""
     sub, inst = core.substrate, core.instance
     names = list(sub.images)
     models = {}
-    for i, name in enumerate(names):
+    for name in names:
         record = _open(core, name) if name != sub.active else None
-        if progress:
-            progress(f"calibrating {name} ({i + 1}/{len(names)})")
         models[name] = _model_profile(core, name, probes, record)
     if sub.active != names[0]:
         record = _open(core, names[0])
