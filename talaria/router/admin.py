@@ -39,7 +39,7 @@ def router_telemetry(router: Router) -> dict:
     router.leases.sweep(now)
     return {
         "policy": router.config.policy.value,
-        "decisions": dict(st.decisions),
+        "decisions": st.by_reason(),
         "lease_hits": st.lease_hits, "lease_misses": st.lease_misses, "lease_expiries": st.lease_expiries,
         "returns": st.returns, "same_instance_returns": st.same_instance_returns,
         "avoidable_opens": st.avoidable_opens, "sessions": len(router.sessions),

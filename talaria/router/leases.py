@@ -11,7 +11,6 @@ capacity the likely return will need. A lease is not a KV pin and guarantees not
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ class LeaseTable:
     def __init__(self, tau_s: float, on_expire: Callable[[Lease], None] | None = None) -> None:
         self.tau_s = tau_s
         self._leases: dict[tuple[str, str], Lease] = {}
-        self._per_instance: Counter[str] = Counter()
+        self._per_instance: dict[str, int] = {}
         self._heap: list[tuple[float, str, str]] = []  # (t_exp, session, model)
         self._on_expire = on_expire
 
@@ -50,7 +49,7 @@ class LeaseTable:
             return None
         lease = Lease(session, model, instance, prefix, now, now + self.tau_s)
         self._leases[(session, model)] = lease
-        self._per_instance[instance] += 1
+        self._per_instance[instance] = self._per_instance.get(instance, 0) + 1
         heapq.heappush(self._heap, (lease.t_exp, session, model))
         if len(self._heap) > 2 * len(self._leases) + 1024:  # consumed leases leave stale entries: compact
             self._heap = [(x.t_exp, x.session, x.model) for x in self._leases.values()]
@@ -67,7 +66,7 @@ class LeaseTable:
 
     def count(self, instance: str) -> int:
         """Live leases charging `instance` (call `sweep` first for an exact figure)."""
-        return self._per_instance[instance]
+        return self._per_instance.get(instance, 0)
 
     def sweep(self, now: float) -> None:
         while self._heap and self._heap[0][0] < now:
@@ -87,6 +86,8 @@ class LeaseTable:
     def _drop(self, key: tuple[str, str]) -> None:
         lease = self._leases.pop(key, None)
         if lease is not None:
-            self._per_instance[lease.instance] -= 1
-            if not self._per_instance[lease.instance]:
+            n = self._per_instance[lease.instance] - 1
+            if n:
+                self._per_instance[lease.instance] = n
+            else:
                 del self._per_instance[lease.instance]

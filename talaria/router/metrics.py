@@ -91,7 +91,7 @@ class RouterCollector:
                                     "another instance holds")
         opens.add_metric([], st.avoidable_opens)
         decisions = CounterMetricFamily("talaria_router_decisions", "Routing decisions by reason", labels=["reason"])
-        for reason, n in st.decisions.items():
+        for reason, n in st.by_reason().items():
             decisions.add_metric([reason], n)
         yield from (leases, returns, opens, decisions)
 

@@ -42,7 +42,7 @@ from talaria.contracts.call import PrefixHandle
 from talaria.contracts.profile import ModelProfile, Profile
 from talaria.contracts.telemetry import InstanceStats
 from talaria.router.leases import Lease, LeaseTable
-from talaria.router.sessions import SessionTable
+from talaria.router.sessions import LastCall, SessionTable
 
 GIB = float(1 << 30)
 
@@ -87,7 +87,7 @@ class InstanceView:
     terms: dict[str, _Terms] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Terms:
     """One model's call-independent cost terms on one instance, from its latest snapshot."""
 
@@ -100,7 +100,7 @@ class _Terms:
     admit_s: float  # round admission: the latest start a call may be predicted to have
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Cost:
     """Eq. (1) for one candidate, in seconds; dR_req is split into its queue, prefill and decode."""
 
@@ -127,27 +127,33 @@ class Cost:
         return self.queue_s + self.c_act_s + self.c_kv_s + self.prefill_s
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteDecision:
+    """What `route` decided. Records on the decision path are plain slotted dataclasses, not frozen
+    ones: a frozen dataclass's __init__ costs ~2 us here, and a lease hit has a 20 us budget."""
+
     instance: str | None  # None: rejected by the overload policy
     reason: Reason
     cost: Cost | None = None
     candidates: int = 0  # instances that passed both checks
     avoidable_open: bool = False  # the chosen instance opens a model another instance holds
-    same_instance: bool | None = None  # a returning session went back to its last instance (None: new)
     lease: Lease | None = None  # the lease consumed
     overload: str | None = None  # the overload policy applied
+    same_instance: bool | None = None  # a returning session went back to its last instance (None: new)
 
 
 @dataclass
 class RouterStats:
-    decisions: Counter = field(default_factory=Counter)  # by reason
+    decisions: Counter[Reason] = field(default_factory=Counter)  # see by_reason
     lease_hits: int = 0
     lease_misses: int = 0  # a lease existed but failed its checks
     lease_expiries: int = 0
     returns: int = 0  # calls of sessions seen before
     same_instance_returns: int = 0
     avoidable_opens: int = 0
+
+    def by_reason(self) -> dict[str, int]:
+        return {reason.value: n for reason, n in self.decisions.items()}
 
 
 class Router:
@@ -211,31 +217,37 @@ class Router:
     # ---- the verb ---------------------------------------------------------------------------
 
     def route(self, req: RouteRequest, local: bool = False) -> RouteDecision:
-        """Place one call; `local`: only this node's instances (a call a peer forwarded here)."""
+        """Place one call; `local`: only this node's instances (a call a peer forwarded here).
+
+        A lease hit is the hot path: it reads the lease and the instance's listing of the session,
+        nothing else (the lease says where the session's last call finished and when)."""
         now = self.clock()
         self._local = local
         self.leases.sweep(now)
         m = self._mean_prompt.get(req.model)
-        self._mean_prompt[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
-        last = self.sessions.get(req.session, req.model, now) if req.session is not None else None
-        self._prompt = int(self._mean_prompt[req.model])
+        m = self._mean_prompt[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
+        self._prompt = int(m)
+        lease = last = None
+        if req.session is not None:
+            lease = self.leases.get(req.session, req.model)
+            if lease is None:
+                last = self.sessions.get(req.session, req.model, now)
         policy = self.config.policy
         if policy is RouterPolicy.FULL:
-            choice = self._full(req, now, last)
+            decision = self._full(req, now, lease, last)
         elif policy is RouterPolicy.SESSION_STICKY:
-            choice = self._sticky(req, now, last)
+            decision = self._sticky(req, now, lease)
         else:
-            choice = self._least_pressure(req, now)
+            decision = self._least_pressure(req, now)
+        previous = lease.instance if lease is not None else last.instance if last is not None else None
         same = None
-        if last is not None:
-            same = choice.instance == last[0]
+        if previous is not None:
+            same = decision.same_instance = decision.instance == previous
             self.stats.returns += 1
             self.stats.same_instance_returns += same
-        decision = RouteDecision(choice.instance, choice.reason, choice.cost, choice.candidates,
-                                 choice.avoidable_open, same, choice.lease, choice.overload)
         if decision.avoidable_open:
             self.stats.avoidable_opens += 1
-        self.stats.decisions[decision.reason.value] += 1
+        self.stats.decisions[decision.reason] += 1
         if self._emit is not None:
             c = decision.cost
             self._emit("route", request=req.request_id, session=req.session, model=req.model,
@@ -245,8 +257,7 @@ class Router:
                                                      "c_act_s": c.c_act_s, "kv": c.kv, "opens": c.opens})
         return decision
 
-    def _full(self, req: RouteRequest, now: float, last) -> _Choice:
-        lease = self.leases.get(req.session, req.model) if req.session is not None else None
+    def _full(self, req: RouteRequest, now: float, lease: Lease | None, last: LastCall | None) -> RouteDecision:
         if lease is not None:
             view = self.views.get(lease.instance)
             self.leases.take(lease)
@@ -255,11 +266,12 @@ class Router:
                 self.stats.lease_hits += 1
                 if self._emit is not None:
                     self._emit("lease", op="consume", session=req.session, model=req.model, target=lease.instance)
-                return _Choice(lease.instance, Reason.LEASE_HIT, lease=lease)
+                return RouteDecision(lease.instance, Reason.LEASE_HIT, lease=lease)
             self.stats.lease_misses += 1
             if self._emit is not None:
                 self._emit("lease", op="discard", reason="unhealthy" if not usable else "prefix-lost",
                            session=req.session, model=req.model, target=lease.instance)
+            last = self.sessions.get(req.session, req.model, now)
         fresh = self._fresh(req.model, now)
         feasible = []
         best_holder = None
@@ -282,36 +294,35 @@ class Router:
         if best is None:
             return self._overload(req)
         opens_held = best.opens and held
-        return _Choice(best.instance, Reason.REPLICA if opens_held else Reason.RANKED, best, len(feasible),
+        return RouteDecision(best.instance, Reason.REPLICA if opens_held else Reason.RANKED, best, len(feasible),
                        opens_held)
 
-    def _sticky(self, req: RouteRequest, now: float, last) -> _Choice:
-        lease = self.leases.get(req.session, req.model) if req.session is not None else None
+    def _sticky(self, req: RouteRequest, now: float, lease: Lease | None) -> RouteDecision:
         if lease is not None:
             self.leases.take(lease)
             view = self.views.get(lease.instance)
             if view is not None and view.healthy and not (self._local and view.node is not None):
                 self.stats.lease_hits += 1
-                return _Choice(lease.instance, Reason.STICKY, None, 1, self._opens_held(view, req.model, now),
+                return RouteDecision(lease.instance, Reason.STICKY, None, 1, self._opens_held(view, req.model, now),
                                lease)
             self.stats.lease_misses += 1
         return self._least_pressure(req, now)
 
-    def _least_pressure(self, req: RouteRequest, now: float) -> _Choice:
+    def _least_pressure(self, req: RouteRequest, now: float) -> RouteDecision:
         views = self._serving(req.model)
         if not views:
             return self._overload(req)
         best = min(views, key=lambda v: (v.in_flight, v.name))
-        return _Choice(best.name, Reason.LEAST_PRESSURE, None, len(views), self._opens_held(best, req.model, now))
+        return RouteDecision(best.name, Reason.LEAST_PRESSURE, None, len(views), self._opens_held(best, req.model, now))
 
-    def _overload(self, req: RouteRequest) -> _Choice:
+    def _overload(self, req: RouteRequest) -> RouteDecision:
         policy = self.config.overload.value
         if policy == "spill":
             views = self._serving(req.model)
             if views:
                 best = min(views, key=lambda v: (v.node is None, v.in_flight, v.name))  # peers first
-                return _Choice(best.name, Reason.OVERLOAD, overload=policy)
-        return _Choice(None, Reason.OVERLOAD, overload=policy)
+                return RouteDecision(best.name, Reason.OVERLOAD, overload=policy)
+        return RouteDecision(None, Reason.OVERLOAD, overload=policy)
 
     # ---- the terms --------------------------------------------------------------------------
 
@@ -344,16 +355,16 @@ class Router:
             t = view.terms[model] = _Terms(mp, active, staged, c_act, wait, free, admit)
         return t
 
-    def _cost(self, view: InstanceView, req: RouteRequest, last) -> Cost | None:
+    def _cost(self, view: InstanceView, req: RouteRequest, last: LastCall | None) -> Cost | None:
         t = self._terms(view, req.model)
         if t is None:
             return None
         mp = t.model
         reusable, kv = 0, "missing"
         if last is not None:
-            reusable = min(last[1], max(0, req.prompt_tokens - 1))
-            if last[0] == view.name:
-                kv = self._location(view, req)
+            reusable = min(last.kv_tokens, max(0, req.prompt_tokens - 1))
+            if last.instance == view.name:
+                kv = self._location(view, req, last.done_at)
         if kv == "device":
             c_kv = 0.0
         elif kv == "host":
@@ -387,32 +398,18 @@ class Router:
             return False
         return any(model in v.holds for v in self._fresh(model, now) if v is not view)
 
-    def _location(self, view: InstanceView, req: RouteRequest) -> str:
+    def _location(self, view: InstanceView, req: RouteRequest, done_at: float) -> str:
         """Where the instance says the session's prefix is. A snapshot older than the session's last
         completion cannot know, and a snapshot lists only its most recent sessions, so an unlisted
         prefix counts as kept (device) until a snapshot lists it elsewhere."""
         entry = view.listed.get((req.session, req.model))
         if entry is None or not entry.get("kv_tokens"):
             return "device"  # unknown, or not one full page: nothing to lose, nothing to recompute
-        done = self.sessions.finished_at(req.session, req.model)
-        if done is not None and view.received_at <= done:
+        if view.received_at <= done_at:
             return "device"
         return entry.get("location", "missing")
 
     def _prefix_kept(self, view: InstanceView, req: RouteRequest, lease: Lease) -> bool:
         if view.snapshot is None or view.received_at <= lease.t_done:
             return True
-        return self._location(view, req) in ("device", "host")
-
-
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    """A policy's pick, before `route` adds what every decision carries."""
-
-    instance: str | None
-    reason: Reason
-    cost: Cost | None = None
-    candidates: int = 0
-    avoidable_open: bool = False
-    lease: Lease | None = None
-    overload: str | None = None
+        return self._location(view, req, lease.t_done) in ("device", "host")

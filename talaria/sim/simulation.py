@@ -215,7 +215,7 @@ class Simulation:
 
 def _router_summary(router: Router) -> dict:
     st = router.stats
-    return {"decisions": dict(st.decisions), "lease_hits": st.lease_hits, "lease_misses": st.lease_misses,
+    return {"decisions": st.by_reason(), "lease_hits": st.lease_hits, "lease_misses": st.lease_misses,
             "lease_expiries": st.lease_expiries, "returns": st.returns,
             "same_instance_returns": st.same_instance_returns, "avoidable_opens": st.avoidable_opens}
 
