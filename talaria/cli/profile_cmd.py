@@ -27,7 +27,8 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
 
     Each instance's engine group starts with the same code `talaria up` runs, times probe steps
     through the group (prefill against prompt length, cold and after a cached prefix; decode against
-    batch and context; a full H2D open of every model; host copy bandwidth), fits the profile's
+    batch and context; host copy bandwidth; every model opened by a full H2D switch and, with several
+    models and staging on, from staged weights: all of them (full-D2D) and half (partial)), fits the profile's
     curves and stops. The profile (docs/profile.md) is what cold instances budget rounds with, what
     the router ranks placements by, and what `talaria sim` charges.
     """
@@ -73,8 +74,8 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
         for name, mp in result.models.items():
             click.echo(f"  {name}: prefill {mp.prefill.seconds(512) * 1e3:.1f} ms / 512 tokens, decode "
                        f"{mp.decode.seconds(1, 256) * 1e3:.2f} ms (batch 1), "
-                       f"{mp.decode.seconds(8, 8 * 256) * 1e3:.2f} ms (batch 8), H2D open "
-                       f"{mp.switch['h2d_only'].total_s * 1e3 if 'h2d_only' in mp.switch else float('nan'):.1f} ms")
+                       f"{mp.decode.seconds(8, 8 * 256) * 1e3:.2f} ms (batch 8), switch "
+                       + ", ".join(f"{path} {cost.total_s * 1e3:.1f} ms" for path, cost in mp.switch.items()))
 
 
 def _target(out: Path | None, config: Path, instance: str, n: int) -> Path:

@@ -5,7 +5,10 @@ start-up: rank 0 broadcasts probe steps through the engine group exactly as it b
 (so TP communication is in the numbers), times them, and fits the profile's curves. Probes use
 scratch KV pages of a fresh pool and publish nothing, so no prefix cache or host KV state is left
 behind. Each model is opened once by a full H2D switch, whose five-phase record becomes the
-profile's `h2d_only` switch cost; the first model is opened again at the end.
+profile's `h2d_only` switch cost. With several models and staging on, each model is then opened
+twice more from another one whose KV-pool tail holds its staged weights, through the same Stager
+and switch the scheduler uses: all chunks staged (`full_d2d`) and half of them (`partial`). The
+first model is active again at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from talaria.contracts.profile import (
     save_profile,
 )
 from talaria.models.conversion_cache import default_cache_dir, fingerprint
+from talaria.node.engine.arena import ALIGN
+from talaria.node.memory.bump_layout import Region
 from talaria.node.memory.planner import full_h2d
+from talaria.node.memory.stager import Stager, SwitchPath
 from talaria.node.memory.switch_record import SwitchRecord
 from talaria.node.step_plan import MemoryOps, SeqChunk, StepPlan, SwitchPlan
 
@@ -53,10 +59,11 @@ class Probes:
     decode_contexts: tuple[int, ...] = (32, 256)
     repeats: int = 3  # timed runs per shape (after one warm-up); the fastest counts
     copy_bytes: int = 32 << 20
+    staged_switches: bool = True  # also time the full-D2D and partial switch paths (several models)
 
 
 QUICK = Probes(prefill_tokens=(16, 128), cached_tokens=(128,), decode_batches=(1, 8), decode_contexts=(64,),
-               repeats=2, copy_bytes=8 << 20)  # hot instances: the router's cost model, in a second or two
+               repeats=2, copy_bytes=8 << 20, staged_switches=False)  # hot instances: the router's cost model, in a second or two
 
 
 def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration") -> Profile:
@@ -70,6 +77,17 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
     if sub.active != names[0]:
         record = _open(core, names[0])
         models[names[0]] = _with_switch(models[names[0]], record)
+    if probes.staged_switches and len(names) > 1 and inst.staging_chunk_bytes > 0:
+        for i, name in enumerate(names):
+            source = names[i - 1]  # the model before it (the last one, for the first)
+            for fraction, path in ((1.0, SwitchPath.FULL_D2D), (0.5, SwitchPath.PARTIAL)):
+                if sub.active != source:
+                    _open(core, source)
+                record = _staged_open(core, name, fraction)
+                if record is not None and record.ranks[0].path is path:
+                    models[name] = _with_switch(models[name], record)
+        if sub.active != names[0]:
+            _open(core, names[0])
     cuda = inst.device is Device.CUDA
     return Profile(
         hardware=_hardware(inst.device, torch.get_num_threads()),
@@ -121,14 +139,44 @@ def _open(core: EngineCore, name: str) -> SwitchRecord | None:
     return record
 
 
+def _staged_open(core: EngineCore, name: str, fraction: float) -> SwitchRecord | None:
+    """Stage `fraction` of `name`'s weight chunks into the active model's free KV-pool tail, with the
+    scheduler's Stager and staging copies, then open `name` by the gather it plans (D2D for staged
+    chunks, H2D for the rest). None when the pool's tail has no room for a single chunk."""
+    sub = core.substrate
+    active = sub.active
+    stager = Stager(core.instance.staging_chunk_bytes, ALIGN)
+    stager.target(name, sub.images[name].nbytes, sub.layout.plan(active))
+    for _ in range(max(1, round(stager.num_chunks * fraction))):
+        chunk = stager.next_chunk(lambda page: True)  # probes publish nothing: every page is free
+        if chunk is None:
+            break
+        plan = StepPlan(active, (), MemoryOps(stage=(name, chunk.src.start, chunk.src.end,
+                                                     chunk.dst.start, chunk.dst.end)))
+        core.group.broadcast_object(plan)
+        core._run(plan)
+        sub.wait_staging()
+        stager.written(chunk)
+    if stager.coverage() == 0:
+        return None
+    plan = SwitchPlan(name, stager.gather_plan(Region(0, sub.images[name].nbytes)))
+    core.group.broadcast_object(plan)
+    record, _ = core._switch(plan)
+    return record
+
+
 def _with_switch(profile: ModelProfile, record: SwitchRecord | None) -> ModelProfile:
+    """The profile with the switch cost of `record`'s path: its slowest rank's five phases."""
     if record is None:
         return profile
     slowest = max(record.ranks, key=lambda r: r.total_ms)
-    cost = SwitchCost("h2d_only", tuple(ms / 1000 for ms in slowest.phase_ms))
+    path = slowest.path.value
+    cost = SwitchCost(path, tuple(ms / 1000 for ms in slowest.phase_ms))
+    how = "a full H2D open" if path == "h2d_only" else \
+        f"an open with {slowest.staged_bytes} of {slowest.total_bytes} weight bytes staged"
     return ModelProfile(profile.name, profile.weights_bytes, profile.kv_bytes_per_token, profile.prefill,
-                        profile.decode, {**profile.switch, "h2d_only": cost},
-                        {**profile.sources, "switch.h2d_only": "measured: a full H2D open at calibration"})
+                        profile.decode, {**profile.switch, path: cost},
+                        {**profile.sources, f"switch.{path}": f"measured: {how} at calibration"})
 
 
 def _model_profile(core: EngineCore, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
