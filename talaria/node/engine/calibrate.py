@@ -17,6 +17,7 @@ import platform
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,18 +67,22 @@ QUICK = Probes(prefill_tokens=(16, 128), cached_tokens=(128,), decode_batches=(1
                repeats=2, copy_bytes=8 << 20, staged_switches=False)  # hot instances: the router's cost model, in a second or two
 
 
-def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration") -> Profile:
-    """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile."""
+def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration",
+              progress: Callable[[str], None] = lambda line: None) -> Profile:
+    """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile.
+    `progress` gets one line per stage (`talaria profile` prints them)."""
     sub, inst = core.substrate, core.instance
     names = list(sub.images)
     models = {}
-    for name in names:
+    for i, name in enumerate(names, 1):
+        progress(f"model {i}/{len(names)} {name}: open, prefill and decode probes")
         record = _open(core, name) if name != sub.active else None
         models[name] = _model_profile(core, name, probes, record)
     if sub.active != names[0]:
         record = _open(core, names[0])
         models[names[0]] = _with_switch(models[names[0]], record)
     if probes.staged_switches and len(names) > 1 and inst.staging_chunk_bytes > 0:
+        progress("staged switches: full-D2D and partial opens of every model")
         for i, name in enumerate(names):
             source = names[i - 1]  # the model before it (the last one, for the first)
             for fraction, path in ((1.0, SwitchPath.FULL_D2D), (0.5, SwitchPath.PARTIAL)):
@@ -89,6 +94,7 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
         if sub.active != names[0]:
             _open(core, names[0])
     cuda = inst.device is Device.CUDA
+    progress("copy bandwidth")
     return Profile(
         hardware=_hardware(inst.device, torch.get_num_threads()),
         device=inst.device.value,

@@ -8,6 +8,7 @@ exactly the code a worker process runs.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -57,7 +58,7 @@ class EngineCore:
             # cold pools budget their rounds from predicted costs; the router ranks every instance by them
             rounds = instance.pool is Pool.COLD or len(models) > 1
             if probes is not None:
-                self.profile = calibrate(self, probes, method="talaria profile")
+                self.profile = calibrate(self, probes, method="talaria profile", progress=self._progress)
             elif instance.profile:
                 self.profile = load_profile(instance.profile)
             else:
@@ -90,6 +91,10 @@ class EngineCore:
             def rounds(batchers, clock, emit, switch_path, known):
                 return RoundScheduler(batchers, costs, clock, config, emit, switch_path, known, ps)
         return Scheduler(inst.name, batchers, clock, memory, rounds, version_base=time.time_ns() // 1000)
+
+    def _progress(self, line: str) -> None:
+        """`talaria profile`: the worker shares the command's stderr."""
+        print(f"talaria: {self.instance.name}: {line}", file=sys.stderr, flush=True)
 
     @property
     def pages(self) -> int:
