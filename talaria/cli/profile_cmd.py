@@ -27,7 +27,7 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
 
     Each instance's engine group starts with the same code `talaria up` runs, times probe steps
     through the group (prefill against prompt length, cold and after a cached prefix; decode against
-    batch and context; host copy bandwidth; every model opened by a full H2D switch and, with several
+    batch and context; host copy bandwidth; HKVR restore from host slabs; every model opened by a full H2D switch and, with several
     models and staging on, from staged weights: all of them (full-D2D) and half (partial)), fits the profile's
     curves and stops. The profile (docs/profile.md) is what cold instances budget rounds with, what
     the router ranks placements by, and what `talaria sim` charges.
@@ -71,6 +71,10 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
         target = _target(out, path, inst.name, len(chosen))
         save_profile(result, target)
         click.echo(f"talaria: {inst.name}: wrote {target} in {time.monotonic() - t0:.1f} s", err=True)
+        bw = result.bandwidth
+        click.echo(f"  copies: H2D {bw.h2d_bytes_per_s / 1e9:.1f} GB/s, D2H {bw.d2h_bytes_per_s / 1e9:.1f} GB/s, "
+                   f"D2D {bw.d2d_bytes_per_s / 1e9:.1f} GB/s, HKVR restore "
+                   + (f"{bw.restore_bytes_per_s / 1e9:.1f} GB/s" if bw.restore_bytes_per_s else "- (no host KV)"))
         for name, mp in result.models.items():
             click.echo(f"  {name}: prefill {mp.prefill.seconds(512) * 1e3:.1f} ms / 512 tokens, decode "
                        f"{mp.decode.seconds(1, 256) * 1e3:.2f} ms (batch 1), "

@@ -104,9 +104,14 @@ class ModelProfile:
 
 @dataclass(frozen=True, slots=True)
 class Bandwidth:
-    h2d_bytes_per_s: float  # host -> device: KV restore from host, weight H2D
+    h2d_bytes_per_s: float  # host -> device: weight H2D, and KV restore unless restore is measured
     d2h_bytes_per_s: float  # device -> host: KV save to host
     d2d_bytes_per_s: float  # device -> device: staged-weight gather
+    restore_bytes_per_s: float | None = None  # HKVR restore (host slabs -> KV pages), when measured
+
+    @property
+    def restore(self) -> float:
+        return self.restore_bytes_per_s or self.h2d_bytes_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +144,7 @@ class Profile:
 
     def restore_s(self, model: str, tokens: int) -> float:
         """Copying `tokens` tokens of KV from host memory back to the device."""
-        return tokens * self.model(model).kv_bytes_per_token / self.bandwidth.h2d_bytes_per_s
+        return tokens * self.model(model).kv_bytes_per_token / self.bandwidth.restore
 
     def save_s(self, model: str, tokens: int) -> float:
         """Copying `tokens` tokens of KV from the device to host memory."""
@@ -257,11 +262,12 @@ def parse_profile(text: str, origin: str = "<profile>") -> Profile:
                              "write e.g. 2026-11-30T12:00:00+00:00")
     rates = tuple(f.name for f in dataclasses.fields(Bandwidth))
     bw = top.sub("bandwidth", rates)
+    restore = bw.number("restore_bytes_per_s", positive=True) if "restore_bytes_per_s" in bw.raw else None
     models = top.sub("models", None, optional=True)
     return Profile(
         hardware=head.text("hardware"), device=head.raw["device"], tp=head.count("tp", 1),
         device_bytes=head.count("device_bytes", 1), created=created, method=head.text("method"),
-        bandwidth=Bandwidth(*(bw.number(k, positive=True) for k in rates)),
+        bandwidth=Bandwidth(*(bw.number(k, positive=True) for k in rates[:3]), restore),
         models={name: _parse_model(models, name) for name in models.raw},
         sources=head.sources())
 
@@ -323,7 +329,8 @@ def dump_profile(profile: Profile) -> str:
         if m.sources:
             t["sources"] = dict(m.sources)
         models[name] = t
-    return tomli_w.dumps({"profile": head, "bandwidth": asdict(profile.bandwidth),
+    bandwidth = {k: v for k, v in asdict(profile.bandwidth).items() if v is not None}
+    return tomli_w.dumps({"profile": head, "bandwidth": bandwidth,
                           "models": models})
 
 

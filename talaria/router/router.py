@@ -368,7 +368,7 @@ class Router:
         if kv == "device":
             c_kv = 0.0
         elif kv == "host":
-            c_kv = reusable * mp.kv_bytes_per_token / view.profile.bandwidth.h2d_bytes_per_s
+            c_kv = reusable * mp.kv_bytes_per_token / view.profile.bandwidth.restore
         else:
             c_kv = mp.prefill.seconds(reusable)
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit

@@ -3,6 +3,8 @@ transfer arithmetic, switch estimates, and the non-negative fits calibration rel
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import re
 from pathlib import Path
@@ -200,6 +202,9 @@ def test_restore_and_save_divide_kv_bytes_by_the_right_bandwidth():
     assert p.save_s("m", 1000) == pytest.approx(131_072_000 / 2.5e10, rel=1e-15)
     assert p.save_s("m", 1000) == pytest.approx(2 * p.restore_s("m", 1000), rel=1e-15)
     assert p.restore_s("m", 0) == 0.0
+    measured = dataclasses.replace(p, bandwidth=dataclasses.replace(p.bandwidth, restore_bytes_per_s=1e10))
+    assert measured.restore_s("m", 1000) == pytest.approx(131_072_000 / 1e10, rel=1e-15)  # the measured rate wins
+    assert parse_profile(dump_profile(measured)) == measured
 
 
 def test_switch_s_uses_the_recorded_phases_and_estimates_missing_paths():

@@ -27,7 +27,7 @@ def calibrated(files, **overrides) -> EngineCore:
 
 
 def test_profile_measures_all_three_switch_paths_and_leaves_the_first_model_intact(two):
-    core = calibrated(two, staging_chunk_bytes=4096)
+    core = calibrated(two, staging_chunk_bytes=4096, host_kv_bytes=1 << 20)
     for f in two:
         mp = core.profile.model(f.name)
         assert set(mp.switch) == {"h2d_only", "full_d2d", "partial"}, f.name
@@ -36,6 +36,7 @@ def test_profile_measures_all_three_switch_paths_and_leaves_the_first_model_inta
         staged = int(mp.sources["switch.partial"].split()[4])  # "measured: an open with N of M ..."
         assert 0 < staged < mp.weights_bytes
         assert mp.sources["switch.full_d2d"].startswith(f"measured: an open with {mp.weights_bytes} of")
+    assert core.profile.bandwidth.restore_bytes_per_s > 0  # host KV is on: the restore op was timed
     first = two[0]
     assert core.substrate.active == core.scheduler.active == first.name
     prompt = list(range(3, 40))
@@ -44,5 +45,7 @@ def test_profile_measures_all_three_switch_paths_and_leaves_the_first_model_inta
 
 
 def test_without_staging_only_the_h2d_path_is_measured(two):
-    core = calibrated(two, staging_chunk_bytes=0)
+    core = calibrated(two, staging_chunk_bytes=0, host_kv_bytes=0)
     assert all(set(core.profile.model(f.name).switch) == {"h2d_only"} for f in two)
+    assert core.profile.bandwidth.restore_bytes_per_s is None  # no host KV: restore falls back to H2D
+    assert core.profile.bandwidth.restore == core.profile.bandwidth.h2d_bytes_per_s

@@ -13,7 +13,9 @@ first model is active again at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+import random
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -94,7 +96,9 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
         if sub.active != names[0]:
             _open(core, names[0])
     cuda = inst.device is Device.CUDA
-    progress("copy bandwidth")
+    progress("copy bandwidth and HKVR restore")
+    bandwidth = _bandwidth(sub.arena.device, probes.copy_bytes)
+    bandwidth = dataclasses.replace(bandwidth, restore_bytes_per_s=_restore_rate(core, probes))
     return Profile(
         hardware=_hardware(inst.device, torch.get_num_threads()),
         device=inst.device.value,
@@ -102,7 +106,7 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
         device_bytes=torch.cuda.get_device_properties(sub.arena.device).total_memory if cuda else inst.arena_bytes,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         method=method,
-        bandwidth=_bandwidth(sub.arena.device, probes.copy_bytes),
+        bandwidth=bandwidth,
         models=models,
     )
 
@@ -236,6 +240,25 @@ def _time(core: EngineCore, probes: Probes, chunks: list[SeqChunk], repeats: int
             torch.cuda.synchronize(logits.device)
         runs.append(time.perf_counter() - t0)
     return min(runs[1:]) if len(runs) > 1 else runs[0]
+
+
+def _restore_rate(core: EngineCore, probes: Probes) -> float | None:
+    """Bytes per second of an HKVR restore: the active model's pages refilled from shuffled host
+    slabs by the op a step runs before its forward, on every rank. None without host KV."""
+    sub = core.substrate
+    pages = min(sub.num_slabs, sub.plan.num_pages, max(1, probes.copy_bytes // sub.slab_bytes))
+    if sub.num_slabs == 0 or pages == 0:
+        return None
+    slabs = list(range(pages))
+    random.Random(0).shuffle(slabs)  # slabs come back in whatever order they were saved
+    plan = StepPlan(sub.active, (), MemoryOps(restores=tuple(zip(slabs, range(pages)))))
+    best = float("inf")
+    for _ in range(1 + probes.repeats):
+        t0 = time.perf_counter()
+        core.group.broadcast_object(plan)
+        core._run(plan)
+        best = min(best, time.perf_counter() - t0)
+    return pages * sub.images[sub.active].page_bytes / best
 
 
 def _bandwidth(device: torch.device, nbytes: int) -> Bandwidth:
