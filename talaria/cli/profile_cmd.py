@@ -79,7 +79,8 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
             click.echo(f"  {name}: prefill {mp.prefill.seconds(512) * 1e3:.1f} ms / 512 tokens, decode "
                        f"{mp.decode.seconds(1, 256) * 1e3:.2f} ms (batch 1), "
                        f"{mp.decode.seconds(8, 8 * 256) * 1e3:.2f} ms (batch 8), switch "
-                       + ", ".join(f"{path} {cost.total_s * 1e3:.1f} ms" for path, cost in mp.switch.items()))
+                       + (", ".join(f"{path} {cost.total_s * 1e3:.1f} ms" for path, cost in mp.switch.items())
+                          or "- (one model: never switches)"))
 
 
 def _target(out: Path | None, config: Path, instance: str, n: int) -> Path:
