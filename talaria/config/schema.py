@@ -116,6 +116,7 @@ class InstanceConfig:
     ablations: tuple[Ablation, ...] = ()  # mechanisms turned off: sp, hkvr, staging; round_only = all three
     profile: str | None = None  # cost profile TOML (relative: to the config); None = measured at start-up
     debug_poison: bool = False  # NaN into every released region, freed page and dirtied chunk
+    record_steps: bool = False  # a `call` event per call and a `step` event per step (simulator parity)
 
     def enabled(self, mechanism: Ablation) -> bool:
         """Whether `mechanism` runs here: not ablated (round_only ablates all three) and configured on."""

@@ -37,11 +37,13 @@ MAX_SESSIONS_KNOWN = 100_000  # sessions remembered as served here (SP admits on
 class Scheduler:
     def __init__(self, instance: str, batchers: dict[str, Batcher], clock: Callable[[], float],
                  memory: MemoryPlanner, rounds: Callable[..., RoundScheduler] | None = None,
-                 version_base: int = 0) -> None:
+                 version_base: int = 0, record_steps: bool = False) -> None:
         """`rounds` builds the cold pool's RoundScheduler from (batchers, clock, emit, switch_path,
         known_session); None makes a hot instance (one model, continuous batching). Snapshot versions
         count up from `version_base`: a restarted instance passes a larger one (its start time), so
-        its snapshots still look newer than its predecessor's."""
+        its snapshots still look newer than its predecessor's. `record_steps`: emit a `call` event per
+        call and a `step` event per step and switch, with when it was planned and what it took: what
+        the simulator needs to replay this instance's decisions (talaria.sim.parity)."""
         self.instance = instance
         self.batchers = batchers
         self.clock = clock
@@ -60,6 +62,8 @@ class Scheduler:
         self._events: list[Event] = []  # since the last drain_events()
         self._stats_version = version_base
         self.switch_count = 0
+        self.record_steps = record_steps
+        self._planned_at = 0.0  # when the plan in flight was made (record_steps)
 
     @property
     def has_work(self) -> bool:
@@ -80,6 +84,9 @@ class Scheduler:
                                 f"{pages.num_pages} (raise arena_bytes)")]
         self._seqs[seq.seq_id] = seq
         self._by_request[call.request_id] = seq
+        if self.record_steps:
+            self._emit(EventKind.CALL, request=call.request_id, session=call.session_id, model=call.model,
+                       prompt_tokens=len(call.prompt_token_ids), max_tokens=call.sampling.max_tokens)
         return []
 
     def cancel(self, request_id: str) -> list[CallOutput]:
@@ -107,6 +114,8 @@ class Scheduler:
 
     def plan(self) -> StepPlan | SwitchPlan | None:
         """The next thing to run: a switch, or a step of the active model (maybe only memory ops)."""
+        if self.record_steps:
+            self._planned_at = self.clock()
         forced, self._forced = self._forced, None
         if forced is not None and forced != self.active:
             if self.rounds is not None:
@@ -173,10 +182,16 @@ class Scheduler:
             self.switch_count += 1
             del self.switches[:-16]
             self._emit(EventKind.SWITCH, **record.to_dict())
+            if self.record_steps:
+                self._emit(EventKind.STEP, model=plan.model, planned_at=self._planned_at,
+                           seconds=self.clock() - self._planned_at, tokens=0, seqs=0, switch=True)
 
     def commit(self, plan: StepPlan, sampled: dict[int, int], step_s: float,
                reports: list[list[RankReport]] | None = None) -> list[CallOutput]:
         now = self.clock()
+        if self.record_steps:
+            self._emit(EventKind.STEP, model=plan.model, planned_at=self._planned_at, seconds=step_s,
+                       tokens=plan.num_tokens, seqs=len(plan.chunks))
         if self.rounds is not None:
             self.rounds.committed(step_s)
         batcher = self.batchers[plan.model]

@@ -39,7 +39,11 @@ MAX_CONTEXT = 1 << 20  # tokens; the trace, not the model card, bounds a simulat
 class SimInstance:
     def __init__(self, config: InstanceConfig, profile: Profile, loop: EventLoop,
                  on_outputs: Callable[[SimInstance, list[CallOutput]], None],
-                 on_events: Callable[[list], None]) -> None:
+                 on_events: Callable[[list], None], runtime_bytes: int | None = None,
+                 learn: bool = False) -> None:
+        """`runtime_bytes`: the arena's runtime region (default: a GPU-sized guess, at most 1/64 of
+        the arena). `learn`: the round scheduler's cost model learns from step times, as live;
+        off, it charges the profile exactly (its step times are the profile's anyway)."""
         self.config = config
         self.name = config.name
         self.profile = profile
@@ -49,7 +53,8 @@ class SimInstance:
         self._on_events = on_events
         ps = config.page_size
         models = list(config.models)
-        self.runtime_bytes = min(RUNTIME_BYTES, config.arena_bytes // 64) // ALIGN * ALIGN
+        self.runtime_bytes = runtime_bytes if runtime_bytes is not None else \
+            min(RUNTIME_BYTES, config.arena_bytes // 64) // ALIGN * ALIGN
         self.layout = BumpLayout(config.arena_bytes, self.runtime_bytes, ALIGN)
         for m in models:
             mp = profile.model(m)
@@ -70,11 +75,12 @@ class SimInstance:
         if config.pool is Pool.COLD or len(models) > 1:
             rc = RoundConfig(config.ttft_s, config.tpot_s, config.gamma, config.enabled(Ablation.SP),
                              config.slot_order, config.slot_length, config.max_batch_tokens)
-            costs = CostModel(profile, alpha=0.0)  # the simulator charges the profile exactly
+            costs = CostModel(profile) if learn else CostModel(profile, alpha=0.0)
 
             def rounds(b, clock, emit, switch_path, known):
                 return RoundScheduler(b, costs, clock, rc, emit, switch_path, known, ps)
-        self.scheduler = Scheduler(config.name, batchers, self.clock, self.memory, rounds)
+        self.scheduler = Scheduler(config.name, batchers, self.clock, self.memory, rounds,
+                                   record_steps=config.record_steps)
         self.ledger = RankLedger(0, ps)
         opening = SwitchPlan(models[0], full_h2d(profile.model(models[0]).weights_bytes))
         self.scheduler.switched(opening, None, [])

@@ -17,9 +17,9 @@ import dataclasses
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch

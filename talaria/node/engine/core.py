@@ -90,7 +90,8 @@ class EngineCore:
 
             def rounds(batchers, clock, emit, switch_path, known):
                 return RoundScheduler(batchers, costs, clock, config, emit, switch_path, known, ps)
-        return Scheduler(inst.name, batchers, clock, memory, rounds, version_base=time.time_ns() // 1000)
+        return Scheduler(inst.name, batchers, clock, memory, rounds, version_base=time.time_ns() // 1000,
+                         record_steps=inst.record_steps)
 
     def _progress(self, line: str) -> None:
         """`talaria profile`: the worker shares the command's stderr."""

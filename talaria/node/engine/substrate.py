@@ -54,9 +54,14 @@ class ModelImage:
         self.nbytes = self.host.used_low
         self.page_shape = KVCache.page_shape(self.shard, page_size)
         self.page_bytes = KVCache.page_bytes(self.shard, page_size, self.dtype)
-        item = torch.tensor([], dtype=self.dtype).element_size()
-        self.rope_bytes = align_up(files.arch.max_position * files.arch.head_dim * item)
-        self.runtime_bytes = 2 * self.rope_bytes  # cos and sin tables
+        self.runtime_bytes = runtime_bytes(files)
+        self.rope_bytes = self.runtime_bytes // 2  # cos, then sin
+
+
+def runtime_bytes(files: ModelFiles) -> int:
+    """A model's share of the arena's runtime region: its RoPE cos and sin tables."""
+    item = torch.tensor([], dtype=DTYPES[files.dtype]).element_size()
+    return 2 * align_up(files.arch.max_position * files.arch.head_dim * item)
 
 
 class Substrate:
