@@ -10,6 +10,7 @@ from talaria.cli.profile_cmd import profile
 from talaria.cli.replay_cmd import replay
 from talaria.cli.sim_cmd import sim
 from talaria.cli.trace_cmd import trace
+from talaria.cli.tui_cmd import tui
 from talaria.cli.up import up
 
 
@@ -29,6 +30,7 @@ cli.add_command(trace)
 cli.add_command(profile)
 cli.add_command(replay)
 cli.add_command(sim)
+cli.add_command(tui)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""The dashboard at a fixed terminal size, driven by a real recorded event log and telemetry snapshot
+(tests/tui/fixtures, from a `talaria up` with the default config), on a frozen clock.
+
+Each panel's rendered text is compared with a golden file in tests/tui/snapshots/; regenerate them
+with TALARIA_UPDATE_SNAPSHOTS=1 and review the diff. Keys are driven through Textual's Pilot.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from textual.geometry import Region
+
+from talaria.tui.app import DashboardApp, HelpScreen
+from talaria.tui.clock import NodeClock
+from talaria.tui.feed import LiveFeed, ReplayFeed, read_events
+from talaria.tui.state import Connection
+
+pytestmark = pytest.mark.anyio
+
+SIZE = (120, 44)
+HERE = Path(__file__).parent
+EVENTS = read_events(HERE / "fixtures" / "events.jsonl")
+TELEMETRY = json.loads((HERE / "fixtures" / "telemetry.json").read_text())
+PANELS = ("status", "rounds", "switches", "memory", "leases", "sessions")
+UPDATE = os.environ.get("TALARIA_UPDATE_SNAPSHOTS") == "1"
+
+
+def panel_text(app: DashboardApp, name: str) -> str:
+    """What the panel shows on screen, border and title included, one line per row."""
+    widget = app.query_one(f"#{name}")
+    strips = widget.render_lines(Region(0, 0, *widget.outer_size))
+    return "\n".join(strip.text.rstrip() for strip in strips)
+
+
+def check_snapshot(name: str, text: str) -> None:
+    path = HERE / "snapshots" / f"{name}.txt"
+    if UPDATE:
+        path.write_text(text + "\n", encoding="utf-8")
+        return
+    assert path.exists(), f"{path} is missing: run with TALARIA_UPDATE_SNAPSHOTS=1 to write it"
+    want = path.read_text(encoding="utf-8").rstrip("\n")
+    assert text == want, "\n" + "\n".join(difflib.unified_diff(want.splitlines(), text.splitlines(),
+                                                              "snapshot", "now", lineterm=""))
+
+
+def replay_app(events: list[dict]) -> DashboardApp:
+    """The dashboard over `events`, played at once, on a clock that only moves with the replay."""
+    return DashboardApp(ReplayFeed(events, "events.jsonl", math.inf, clock=NodeClock(lambda: 0.0)))
+
+
+async def finished(app: DashboardApp, pilot) -> None:
+    while app.state.status.connection is not Connection.FINISHED:
+        await pilot.pause(0.01)
+
+
+@pytest.mark.parametrize("panel", PANELS)
+async def test_a_live_node_snapshot(panel):
+    """The whole recorded log, then the snapshot taken at its end: the node as a live dashboard sees it."""
+    app = replay_app(EVENTS)
+    async with app.run_test(size=SIZE) as pilot:
+        await finished(app, pilot)
+        app.state.apply_telemetry(TELEMETRY)
+        app.feed.clock.anchor(TELEMETRY["time"])
+        app.redraw()
+        await pilot.pause()
+        check_snapshot(f"live-{panel}", panel_text(app, panel))
+
+
+@pytest.mark.parametrize("panel", PANELS)
+async def test_a_replay_snapshot_mid_round(panel):
+    """The log up to seq 26 with no telemetry: round 2 of cold-0 is open, with an SP admission."""
+    app = replay_app([e for e in EVENTS if e["seq"] <= 26])
+    async with app.run_test(size=SIZE) as pilot:
+        await finished(app, pilot)
+        app.redraw()
+        await pilot.pause()
+        check_snapshot(f"replay-{panel}", panel_text(app, panel))
+
+
+async def test_tab_moves_between_panels_and_shift_tab_back():
+    app = replay_app(EVENTS[:3])
+    async with app.run_test(size=SIZE) as pilot:
+        order = []
+        for _ in range(5):
+            order.append(app.focused.id)
+            await pilot.press("tab")
+        assert order == ["rounds", "switches", "memory", "leases", "sessions"]
+        assert app.focused.id == "rounds"  # round again
+        await pilot.press("shift+tab")
+        assert app.focused.id == "sessions"
+
+
+@pytest.mark.parametrize("key", ["question_mark", "h"])
+async def test_help_opens_and_escape_closes_it(key):
+    app = replay_app(EVENTS[:3])
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(key)
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.pause(3 * app.redraw_s)  # the panels below keep redrawing
+        assert "tab / shift+tab" in str(app.screen.query_one("#help").render())
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_p_pauses_and_resumes_a_replay():
+    app = DashboardApp(ReplayFeed(EVENTS, "events.jsonl", 1.0))  # real pace: 8 s of log
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("p")
+        assert app.state.status.connection is Connection.PAUSED
+        seen = app.state.events
+        await pilot.pause(0.3)
+        assert app.state.events == seen and "paused" in panel_text(app, "status")
+        await pilot.press("p")
+        assert app.state.status.connection is Connection.REPLAYING
+
+
+async def test_q_quits():
+    app = replay_app(EVENTS[:3])
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("q")
+        await pilot.pause()
+        assert not app.is_running
+
+
+async def test_a_node_that_is_away_shows_disconnected_and_hides_pause():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    app = DashboardApp(LiveFeed("http://127.0.0.1:9", transport=httpx.MockTransport(refuse), retry_s=0.05))
+    async with app.run_test(size=SIZE) as pilot:
+        while app.state.status.connection is not Connection.DISCONNECTED:
+            await pilot.pause(0.01)
+        app.redraw()
+        await pilot.pause()
+        status = app.query_one("#status")
+        assert status.has_class("-disconnected")
+        assert panel_text(app, "status").startswith(" DISCONNECTED  http://127.0.0.1:9 · cannot connect")
+        assert app.check_action("pause", ()) is False
