@@ -29,12 +29,14 @@ import click
               help="Without --config: identical cold instances (paper-tp4: 2 workers).")
 @click.option("--lease-s", type=float, help="Override [router] lease_s (tau) for every variant.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write every variant's summary here.")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write PNGs here: the SCT CDF and the switch latency by path, every variant on one axis.")
 @click.option("--events", "events_path", type=click.Path(path_type=Path),
               help="Write the first variant's event log here (JSONL, the records a live node writes).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulated token streams.")
 def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | None, compare: str, ttft_s: float, tpot_s: float,
-        gamma: float, instances: int, lease_s: float | None, json_path: Path | None, events_path: Path | None,
-        seed: int) -> None:
+        gamma: float, instances: int, lease_s: float | None, json_path: Path | None, plots_dir: Path | None,
+        events_path: Path | None, seed: int) -> None:
     """Simulate a trace on a node: SCT, TTFT, switch paths, rounds and SP admissions per variant.
 
     The router, the round scheduler with session-prefill, the host KV registry and the stager are
@@ -65,7 +67,7 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
     missing = sorted({c.model for c in trace} - set(profile.models))
     if missing:
         raise click.ClickException(f"{trace_path} asks for {', '.join(missing)}; the profile has no costs for them")
-    results = {}
+    results, runs = {}, {}
     for i, (name, cfg) in enumerate(variants.items()):
         click.echo(f"talaria sim: {name} ({len(trace)} calls)...", err=True)
         keep = events_path is not None and i == 0
@@ -74,6 +76,8 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
         except (ProfileError, LayoutError) as e:
             raise click.ClickException(str(e)) from None
         results[name] = summary(r)
+        if plots_dir is not None:
+            runs[name] = r
         click.echo(f"talaria sim: {name}: {r.virtual_s:.0f} s simulated in {r.wall_s:.1f} s", err=True)
         if keep:
             events_path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +85,11 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
                 for seq, e in enumerate(r.events, 1):
                     f.write(e.__class__(e.t, e.instance, e.kind, e.data, seq).to_json() + "\n")
     click.echo(table(results))
+    if plots_dir is not None:
+        from talaria.sim.plots import write_plots
+
+        for path in write_plots(runs, plots_dir):
+            click.echo(f"talaria sim: wrote {path}", err=True)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"profile": [str(p) for p in profile_paths], "trace": str(trace_path),

@@ -77,13 +77,16 @@ def test_the_cli_compares_variants_and_writes_the_json(tmp_path):
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(cli, ["sim", "--profile", str(profile_path), "--trace", str(trace_path),
                                       "--compare", "talaria,no-sp,round-only,least-pressure", "--json", str(out),
-                                      "--events", str(tmp_path / "ev.jsonl")])
+                                      "--events", str(tmp_path / "ev.jsonl"), "--plots", str(tmp_path / "plots")])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())["policies"]
     assert set(data) == {"talaria", "no-sp", "round-only", "least-pressure"}
     for s in data.values():
         assert {"sct_p50_s", "sct_p95_s", "ttft_p50_s", "ttft_p95_s"} <= s.keys()
     assert (tmp_path / "ev.jsonl").read_text().count("\n") > 10
+    for png in ("sct_cdf.png", "switch_latency.png"):  # real PNGs, not empty files
+        data = (tmp_path / "plots" / png).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, png
 
 
 def test_the_cli_says_which_models_a_profile_lacks(tmp_path):
