@@ -1,5 +1,5 @@
 """The paper-derived cost profiles in profiles/: they load, cover every switch path, reproduce the
-paper's two Qwen3-235B recompute points, carry Table 2's switch phases, and say where every group
+slope of the paper's two Qwen3-235B recompute points, carry Table 2's switch phases, and say where every group
 of numbers comes from (profiles/README.md)."""
 
 from __future__ import annotations
@@ -55,11 +55,17 @@ def test_every_model_has_all_three_switch_paths(loaded):
             < m.switch["h2d_only"].total_s, name
 
 
-def test_qwen3_235b_prefill_reproduces_the_paper_recompute_points():
+def test_qwen3_235b_prefill_takes_the_recompute_slope_and_a_forward_s_fixed_cost():
+    """The slope of the paper's two recompute TTFTs; the intercept of one forward (the decode step
+    at batch 1), not the >= 2.1 s every exact fit needs; so the curve lies below both points."""
     p = load_profile(TP8)
+    (t1, s1), (t2, s2) = RECOMPUTE
+    for name, m in p.models.items():
+        assert m.prefill.base_s == m.decode.base_s, name
+    qwen = p.models["Qwen3-235B"].prefill
+    assert qwen.per_token_s == pytest.approx((s2 - s1) / (t2 - t1))
     for tokens, seconds in RECOMPUTE:
-        got = p.prefill_s("Qwen3-235B", tokens)
-        assert got == pytest.approx(seconds, rel=0.05), f"{tokens} tokens: {got:.3f} s vs {seconds} s"
+        assert seconds - 2.2 < p.prefill_s("Qwen3-235B", tokens) < seconds, tokens
 
 
 def test_tp8_switch_phases_are_table2_p50():
