@@ -111,7 +111,7 @@ class Cost:
     c_kv_s: float
     c_act_s: float
     kv: str  # device | host | missing: what C_kv charged for the session's prefix
-    opens: bool  # the instance must open the model (it is not active or staged there)
+    opens: bool  # the instance must open the model: not active, staged or with calls queued there
 
     @property
     def delta_r_s(self) -> float:
@@ -376,7 +376,7 @@ class Router:
         batch = view.snapshot.running + 1
         decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens)
         prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable)
-        return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, not t.active and not t.staged)
+        return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds)
 
     def _admits(self, view: InstanceView, req: RouteRequest, cost: Cost) -> bool:
         """Round admission (the call starts within `admit_rounds` rounds, or `max_queue_s` on a hot
