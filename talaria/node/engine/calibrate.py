@@ -158,7 +158,7 @@ def _staged_open(core: EngineCore, name: str, fraction: float) -> SwitchRecord |
     stager = Stager(core.instance.staging_chunk_bytes, ALIGN)
     stager.target(name, sub.images[name].nbytes, sub.layout.plan(active))
     for _ in range(max(1, round(stager.num_chunks * fraction))):
-        chunk = stager.next_chunk(lambda page: True)  # probes publish nothing: every page is free
+        chunk = stager.next_chunk(lambda pages: True)  # probes publish nothing: every page is free
         if chunk is None:
             break
         plan = StepPlan(active, (), MemoryOps(stage=(name, chunk.src.start, chunk.src.end,

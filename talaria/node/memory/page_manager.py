@@ -55,7 +55,7 @@ class PageManager:
         self._page_of: dict[int, int] = {}  # published hash -> page id
         # invariant: a page is free (clean or cached) iff its ref and pin counts are 0
         self._clean: list[int] = list(range(num_pages))  # heap of free pages caching nothing, lazily pruned
-        self._is_clean = [True] * num_pages  # invariant: True iff the page is free and caches nothing
+        self._is_clean = bytearray(b"\x01") * num_pages  # invariant: 1 iff the page is free and caches nothing
         self._n_clean = num_pages  # pages with _is_clean (the heap may also hold stale entries of others)
         self._cached: OrderedDict[int, None] = OrderedDict()  # free published pages, oldest first
         self.version = 0  # bumped by every change of which pages are free or cached (lets callers memoise scans)
@@ -79,6 +79,11 @@ class PageManager:
     def is_free(self, page: int) -> bool:
         """Unreferenced and unpinned (it may still cache a prefix)."""
         return self._is_free(page)
+
+    def all_clean(self, pages: range) -> bool:
+        """Every page of the range is free and caches nothing (one C-level scan: the stager asks
+        this of its chunks' page ranges at every step)."""
+        return 0 not in self._is_clean[pages.start:pages.stop]
 
     def is_cached(self, page: int) -> bool:
         """The page holds a published prefix (whether or not anyone references it)."""

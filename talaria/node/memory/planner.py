@@ -81,9 +81,9 @@ class MemoryPlanner:
         if self.poison:
             self._poison += pages  # evicted or dirtied bytes turn NaN before anyone reads them
 
-    def _clean_free(self, page: int) -> bool:
-        """Staging may write a page only if it is free and caches no prefix."""
-        return self._pool.is_free(page) and not self._pool.is_cached(page)
+    def _clean_free(self, pages: range) -> bool:
+        """Staging may write pages only if they are free and cache no prefix."""
+        return self._pool.all_clean(pages)
 
     def ops(self, batcher: Batcher, idle: bool = False) -> MemoryOps:
         """The memory ops for the next step; `idle`: the step computes nothing (no chunk planned)."""

@@ -170,16 +170,15 @@ class Stager:
 
     # ---- the staging loop ------------------------------------------------------------------
 
-    def next_chunk(self, is_free: Callable[[int], bool]) -> StagedChunk | None:
+    def next_chunk(self, all_free: Callable[[range], bool]) -> StagedChunk | None:
         """The lowest-index MISSING or DIRTY placed chunk whose pages are all free, now WRITING.
 
-        `is_free(page)` must be true only for pages whose bytes no one will read again: not
-        referenced by a sequence AND not holding a cached prefix (or the caller evicts that prefix
-        before writing), since the copy overwrites the page. Returns None when nothing can be
-        staged now.
+        `all_free(pages)` must be true only if no one will read those pages' bytes again: none is
+        referenced by a sequence AND none holds a cached prefix (or the caller evicts that prefix
+        before writing), since the copy overwrites them. Returns None when nothing can be staged now.
         """
         for c in self._placed:
-            if self._state[c.index] in (ChunkState.MISSING, ChunkState.DIRTY) and all(map(is_free, c.pages)):
+            if self._state[c.index] in (ChunkState.MISSING, ChunkState.DIRTY) and all_free(c.pages):
                 self._state[c.index] = ChunkState.WRITING
                 return c
         return None
@@ -255,7 +254,7 @@ class Stager:
 
     # ---- telemetry -------------------------------------------------------------------------
 
-    def slack_bytes(self, is_free: Callable[[int], bool]) -> int:
+    def slack_bytes(self, all_free: Callable[[range], bool]) -> int:
         """Staging slack: bytes `next_chunk` could stage right now.
 
         The sum of sizes of placed MISSING or DIRTY chunks whose pages are all free. It falls as
@@ -263,7 +262,7 @@ class Stager:
         slack / weight_bytes is the best D2D fraction reachable if no more KV is allocated.
         """
         return sum(c.src.size for c in self._placed
-                   if self._state[c.index] in (ChunkState.MISSING, ChunkState.DIRTY) and all(map(is_free, c.pages)))
+                   if self._state[c.index] in (ChunkState.MISSING, ChunkState.DIRTY) and all_free(c.pages))
 
     def coverage(self) -> float:
         """Fraction of the target's weight bytes that are CLEAN (0.0 without a target)."""

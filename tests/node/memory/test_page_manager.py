@@ -361,3 +361,26 @@ def test_page_hash_is_stable_across_processes():
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout) == page_hash(123, [1, 2, 300000], 4)
+
+
+def test_all_clean_is_free_and_caching_nothing_for_every_page_of_the_range():
+    """The stager's range check agrees with the per-page definition through allocation, publishing,
+    pinning and release."""
+    pm = PageManager(12, 4)
+
+    def check():
+        for a in range(12):
+            for b in range(a, 13):
+                expected = all(pm.is_free(p) and not pm.is_cached(p) for p in range(a, b))
+                assert pm.all_clean(range(a, b)) is expected, (a, b)
+
+    check()
+    pages = pm.allocate(5)  # 0-4 referenced
+    check()
+    pm.publish(pages[1], page_hash(ROOT_HASH, [1, 2, 3, 4], 4))
+    pm.pin([pages[3]])
+    pm.release(pages)  # 1 stays cached, 3 stays pinned
+    check()
+    assert pm.all_clean(range(5, 12)) and not pm.all_clean(range(1, 2)) and not pm.all_clean(range(3, 4))
+    pm.unpin([pages[3]])
+    check()

@@ -24,12 +24,12 @@ A = plan(10_000)  # kv [10240, 61440), pages 0..23, null page 24
 A_LARGE = plan(40_000)  # kv [40192, 61440), pages 0..8 at [40192, 58624)
 
 
-def all_free(page: int) -> bool:
+def all_free(pages: range) -> bool:
     return True
 
 
 def free_except(*used: int):
-    return lambda page: page not in used
+    return lambda pages: not any(p in used for p in pages)
 
 
 def staged_b(chunk_bytes: int = CHUNK, weight_bytes: int = 10_000, active: LayoutPlan = A) -> Stager:
