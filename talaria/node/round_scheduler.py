@@ -326,6 +326,8 @@ class RoundScheduler:
             queued = [q for q in b.waiting if q.seq_id in s.p_set]
         else:
             queued = [q for q in b.waiting if self._eligible(s, b, q)]
+        if not started and not queued:
+            return None  # the common case at a decode boundary: nothing to prefill, no budget to work out
         left, tokens = self._left(s, b, now), self.config.max_batch_tokens
         chunks: list[SeqChunk] = []
         joined: list[Sequence] = []  # admitted by SP at this opportunity
