@@ -78,7 +78,8 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
         results[name] = summary(r)
         if plots_dir is not None:
             runs[name] = r
-        click.echo(f"talaria sim: {name}: {r.virtual_s:.0f} s simulated in {r.wall_s:.1f} s", err=True)
+        click.echo(f"talaria sim: {name}: {r.virtual_s:.0f} s simulated in {r.wall_s:.1f} s; SCT p50 "
+                   f"{results[name]['sct_p50_s']:.1f} s, p95 {results[name]['sct_p95_s']:.1f} s", err=True)
         if keep:
             events_path.parent.mkdir(parents=True, exist_ok=True)
             with events_path.open("w", encoding="utf-8") as f:
