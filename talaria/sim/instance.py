@@ -86,6 +86,7 @@ class SimInstance:
         self.scheduler.switched(opening, None, [])
         self.busy = False
         self.hbm_peak_bytes = 0
+        self._hbm_fixed: dict[str, tuple[int, int]] = {}  # model -> (weights + runtime bytes, page bytes)
 
     # ---- calls in ---------------------------------------------------------------------------
 
@@ -200,7 +201,10 @@ class SimInstance:
             self._on_events(events)
 
     def _note_hbm(self, model: str) -> None:
-        plan = self.layout.plan(model)
-        pool = self.scheduler.batchers[model].pages
-        used = plan.weights.size + pool.num_used * plan.page_bytes + self.runtime_bytes
-        self.hbm_peak_bytes = max(self.hbm_peak_bytes, used)
+        fixed = self._hbm_fixed.get(model)
+        if fixed is None:  # the layout is fixed at start: work its plan out once per model
+            plan = self.layout.plan(model)
+            fixed = self._hbm_fixed[model] = (plan.weights.size + self.runtime_bytes, plan.page_bytes)
+        used = fixed[0] + self.scheduler.batchers[model].pages.num_used * fixed[1]
+        if used > self.hbm_peak_bytes:
+            self.hbm_peak_bytes = used
