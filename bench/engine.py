@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
     render,
+    write_json,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
@@ -301,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(medians))
     print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "
           "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    log(f"wrote {args.json}")
+    write_json(args.json, result, log)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import subprocess
@@ -38,6 +37,7 @@ from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
     render,
+    write_json,
 )
 from server import start_server, stop_server, wait_healthy  # bench/server.py
 
@@ -154,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                          "calls": len(trace), "max_prompt_tokens": args.max_prompt_tokens, "seed": args.seed,
                          "profile": str(args.profile) if args.profile else "measured by talaria profile"},
               "profile_toml": profile_text, **environment(log, load_start)}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    log(f"wrote {args.json}")
+    write_json(args.json, result, log)
     return 0
 
 

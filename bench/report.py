@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 import time
@@ -57,3 +58,10 @@ def render(rows: list[tuple[str, ...]]) -> str:
              for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def write_json(path: Path, result: dict, log: ProgressLog) -> None:
+    """The benchmark's whole result as indented JSON (non-JSON values as their str)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    log(f"wrote {path}")

@@ -46,6 +46,7 @@ from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
     render,
+    write_json,
 )
 from server import (  # bench/server.py
     START_TIMEOUT_S,
@@ -419,9 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     missed = [k for k, good in ok.items() if not good]
     print("targets missed: " + ", ".join(f"{k} = {m[k]:.2f} > {TARGETS[k]:g}" for k in missed) if missed
           else "all targets met")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    log(f"wrote {args.json}")
+    write_json(args.json, result, log)
     return 0
 
 

@@ -34,6 +34,7 @@ from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
     render,
+    write_json,
 )
 from server import start_server, stop_server, wait_healthy  # bench/server.py
 
@@ -184,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         **environment(log, load_start),
     }
     print(table(on, off))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"wrote {args.json}")
+    write_json(args.json, result, log)
 
     failures = []
     if on["errors"] or off["errors"]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import random
 import statistics
@@ -38,6 +37,7 @@ from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
     render,
+    write_json,
 )
 
 from talaria.config.schema import (
@@ -359,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(medians, config))
     print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "
           f"target restore_fraction >= {TARGETS['restore_fraction']})")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"wrote {args.json}")
+    write_json(args.json, result, log)
     return 0
 
 
