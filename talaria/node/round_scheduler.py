@@ -279,7 +279,11 @@ class RoundScheduler:
             s.start = s.seg_start = now
             s.p_set = {seq.seq_id for seq in b.waiting} | {seq.seq_id for seq in b.running if seq.is_prefilling}
         owed = s.decode_steps < s.protected and bool(b.decoding)  # Eq. (4): reserved decode comes first
-        if s.steps and now - s.start >= s.budget_s and not owed:
+        # Without a host KV registry, closing the slot throws away every running sequence's KV: a call
+        # longer than a slot would restart at every slot and never finish. Such a slot runs its running
+        # sequences to completion (admitting nothing new past its budget) and reports the overrun.
+        stranded = b.host is None and bool(b.running)
+        if s.steps and now - s.start >= s.budget_s and not owed and not stranded:
             return None
         if s.phase is Phase.P:
             step = self._prefill(s, b, now, Phase.P)
@@ -300,7 +304,7 @@ class RoundScheduler:
         if not decoders:
             return None
         predicted = self.costs.decode_s(s.model, len(decoders), sum(len(q.token_ids) for q in decoders))
-        if s.steps and now - s.start + predicted > s.budget_s and not owed:
+        if s.steps and now - s.start + predicted > s.budget_s and not owed and not stranded:
             return None  # the next decode would overrun the slot: the round bound wins over the rest
         final = self._left(s, b, now) < self.costs.prefill_s(s.model, self.min_chunk)  # no prefill fits any more
         phase = Phase.DFIN if final else Phase.D if s.opportunities else Phase.D1
@@ -336,7 +340,9 @@ class RoundScheduler:
             if tokens <= 0:
                 break
             admitted = seq.status is SeqStatus.RUNNING
-            n, c = self._fit(s.model, b, seq, left - cost, tokens)
+            # a started prompt with nowhere to save its KV finishes here, budget or not (see _in_slot)
+            budget = math.inf if admitted and b.host is None else left - cost
+            n, c = self._fit(s.model, b, seq, budget, tokens)
             if n == 0 and phase is Phase.P and s.seg_steps == 0 and s.phase is Phase.P and not chunks:
                 n, c = self._fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
                 self.deadline_risk["prefill_over_budget"] += 1

@@ -139,13 +139,14 @@ class Instance:
 
 
 def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds: RoundConfig | None = ROUNDS,
-             hot: bool = False, extra_pages: int = 0, learn: bool = True) -> Instance:
-    """`learn`: the cost model folds measured step times in (off: predictions stay the profile's)."""
-    """An instance serving `models`, the first one opened at `now` (as EngineCore does at start)."""
+             hot: bool = False, extra_pages: int = 0, learn: bool = True, hkvr: bool = True) -> Instance:
+    """An instance serving `models`, the first one opened at `now` (as EngineCore does at start).
+    `learn`: the cost model folds measured step times in (off: predictions stay the profile's).
+    `hkvr`: a host KV registry (off: KV dropped at a switch is recomputed)."""
     layout = BumpLayout(3584 + extra_pages * PAGE_BYTES, 256)
     for m in models:
         layout.register(m, WEIGHTS[m], PAGE_BYTES)
-    host = HostKVRegistry(16, PAGE_BYTES)
+    host = HostKVRegistry(16, PAGE_BYTES) if hkvr else None
     events = CopyEventsStandIn()
     memory = MemoryPlanner(layout, {m: WEIGHTS[m] for m in models}, PS, host, None, False,
                            events.copies_done, events.staging_done, events.wait_copies, events.wait_staging)

@@ -13,7 +13,7 @@ import dataclasses
 from talaria.contracts.call import InstanceCall, SamplingParams
 from talaria.contracts.events import Event
 from talaria.node.round_scheduler import RoundConfig
-from tests.node.scheduler_harness import ROUNDS, instance
+from tests.node.scheduler_harness import DECODE_S, ROUNDS, instance
 
 T1 = tuple(range(100, 108))  # two full pages: a session's first prompt
 
@@ -190,3 +190,18 @@ def test_by_default_a_prefill_chunk_is_at_least_a_quarter_of_the_step_budget():
     assert inst.scheduler.rounds.min_chunk == 32 // 4
     inst = instance("a", "b", rounds=dataclasses.replace(ROUNDS, min_chunk_tokens=0), max_batch_tokens=8)
     assert inst.scheduler.rounds.min_chunk == 4  # never below a page
+
+
+def test_without_host_kv_a_slot_finishes_its_running_calls_rather_than_throw_their_kv_away():
+    """40 decode steps (2.5 s) outlast any slot of a 1 s round. With nowhere to save the KV, closing
+    the slot would preempt the call and recompute it at every slot; instead the slot overruns, the
+    call finishes in it, and the overrun is reported."""
+    inst = instance("a", "b", hkvr=False, extra_pages=16)
+    outputs = inst.until_idle(arrivals={0.0: [call("long", range(200, 204), max_tokens=40),
+                                                call("other", range(300, 304), model="b", max_tokens=2)]})
+    done = {o.request_id: o for o in outputs if o.finish is not None}
+    assert done["long"].usage.completion_tokens == 40 and done["other"].usage.completion_tokens == 2
+    assert inst.scheduler.batchers["a"].preemptions == 0
+    first_switch = next(e for e in inst.log() if e.kind.value == "switch")
+    assert first_switch.t >= 40 * DECODE_S  # b opened only after the long call was done
+    assert inst.scheduler.rounds.deadline_risk["round_over"] >= 1
