@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+from itertools import islice
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
@@ -131,7 +132,8 @@ class PageManager:
             (skipped if p in blocked else clean).append(p)
         evict = []
         if len(clean) < n:
-            evict = [p for p in self._cached if p not in blocked][: n - len(clean)]
+            # the oldest cached pages, taken lazily: the pool may cache tens of thousands
+            evict = list(islice((p for p in self._cached if p not in blocked), n - len(clean)))
         for p in clean + skipped if len(clean) + len(evict) < n else skipped:
             heapq.heappush(self._clean, p)  # put back what is not taken
         if len(clean) + len(evict) < n:  # decide before touching anything: a failure changes nothing
