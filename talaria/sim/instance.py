@@ -206,5 +206,4 @@ class SimInstance:
             plan = self.layout.plan(model)
             fixed = self._hbm_fixed[model] = (plan.weights.size + self.runtime_bytes, plan.page_bytes)
         used = fixed[0] + self.scheduler.batchers[model].pages.num_used * fixed[1]
-        if used > self.hbm_peak_bytes:
-            self.hbm_peak_bytes = used
+        self.hbm_peak_bytes = max(self.hbm_peak_bytes, used)

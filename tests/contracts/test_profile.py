@@ -4,7 +4,6 @@ transfer arithmetic, switch estimates, and the non-negative fits calibration rel
 from __future__ import annotations
 
 import dataclasses
-
 import random
 import re
 from pathlib import Path

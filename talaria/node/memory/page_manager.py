@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from itertools import islice
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from collections.abc import Set as AbstractSet
+from itertools import islice
 
 
 def page_hash(parent: int, tokens: Seq[int], page_size: int) -> int:
