@@ -89,33 +89,30 @@ def run_sim(config: Path, profile: Path, trace: list[TraceCall], log: ProgressLo
                           "sp_admits": result.counts.get("sp_admit", 0), "virtual_s": result.virtual_s}
 
 
+AGGREGATES = {"sum": sum, "p50": lambda v: percentile(v, 50), "p95": lambda v: percentile(v, 95)}
+
+
 def compare(live: dict[str, float], sim: dict[str, float]) -> dict:
     names = sorted(live)
     missing = [n for n in names if n not in sim]
     if missing:
         raise SystemExit(f"the simulation did not finish sessions {', '.join(missing)}")
     per = {n: {"live_s": live[n], "sim_s": sim[n], "error": abs(sim[n] - live[n]) / live[n]} for n in names}
-
-    def rel(a: float, b: float) -> float:
-        return abs(a - b) / b
-
     lv, sv = [live[n] for n in names], [sim[n] for n in names]
-    return {"sct_error": sum(p["error"] for p in per.values()) / len(per),
-            "sct_sum_error": rel(sum(sv), sum(lv)),
-            "sct_p50_error": rel(percentile(sv, 50), percentile(lv, 50)),
-            "sct_p95_error": rel(percentile(sv, 95), percentile(lv, 95)),
-            "live": {"sct_sum_s": sum(lv), "sct_p50_s": percentile(lv, 50), "sct_p95_s": percentile(lv, 95)},
-            "sim": {"sct_sum_s": sum(sv), "sct_p50_s": percentile(sv, 50), "sct_p95_s": percentile(sv, 95)},
-            "sessions": per}
+    out = {"sct_error": sum(p["error"] for p in per.values()) / len(per), "live": {}, "sim": {}, "sessions": per}
+    for stat, f in AGGREGATES.items():
+        out["live"][f"sct_{stat}_s"], out["sim"][f"sct_{stat}_s"] = f(lv), f(sv)
+        out[f"sct_{stat}_error"] = abs(f(sv) - f(lv)) / f(lv)
+    return out
 
 
 def table(m: dict) -> str:
     rows = [("session", "live SCT s", "sim SCT s", "error")]
     for name, p in m["sessions"].items():
         rows.append((name, f"{p['live_s']:.2f}", f"{p['sim_s']:.2f}", f"{p['error']:.1%}"))
-    for key in ("sct_sum_s", "sct_p50_s", "sct_p95_s"):
-        rows.append((key.removeprefix("sct_").removesuffix("_s"), f"{m['live'][key]:.2f}", f"{m['sim'][key]:.2f}",
-                     f"{m['sct_' + key.removeprefix('sct_').removesuffix('_s') + '_error']:.1%}"))
+    for stat in AGGREGATES:
+        key = f"sct_{stat}_s"
+        rows.append((stat, f"{m['live'][key]:.2f}", f"{m['sim'][key]:.2f}", f"{m[f'sct_{stat}_error']:.1%}"))
     rows.append(("sct_error (mean per session)", "", "", f"{m['sct_error']:.1%}"))
     return render(rows)
 
