@@ -20,7 +20,7 @@ Two measurements in one run:
   keep-alive `http.client` connection (the standard library's, the lightest Python client: httpx
   added ~0.5 ms per call here) posts the same non-streaming 1-token completion (64-character
   prompt) and, beside each, a GET /health as the HTTP floor. Added latency = client-observed latency minus the
-  instance's own time (`x-talaria-instance-time`: queued + prefill + decode).
+  instance's own time (`x-talaria-instance-time`: its arrival there to its final record).
 
 Percentiles are nearest-rank. Exit status is 0 whether or not targets are met (it is a benchmark):
 missed targets are printed after the table. Progress goes to stderr, the table to stdout,

@@ -4,8 +4,8 @@ Owned by the Foundation issue; the router and the simulator reuse these records 
 extend them only by adding fields with defaults. Serialised form and transport: docs/contracts.md.
 
 Transport: each instance's rank-0 worker holds one end of a `multiprocessing` duplex pipe to the
-supervisor; messages are these dataclasses, pickled. One reader thread per instance in the
-supervisor turns them into asyncio events. Everything is token ids: tokenizing, chat templates,
+supervisor; messages are these dataclasses, pickled. The supervisor's event loop reads the
+pipe itself. Everything is token ids: tokenizing, chat templates,
 detokenizing and stop strings live in the gateway, so the engine never sees text.
 """
 
@@ -84,6 +84,7 @@ class CallTimings:
     prefill_s: float = 0.0  # time in steps that prefilled this call's prompt
     decode_s: float = 0.0  # first token -> last token
     first_token_at: float = 0.0  # node monotonic clock (time.monotonic) at the first token
+    service_s: float = 0.0  # arrival at the instance -> its final record: everything the instance spent on the call
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """The supervisor's handle on one instance: its engine group of `tp` worker processes.
 
 It spawns the workers, forwards calls over rank 0's pipe and turns the replies into per-call
-asyncio queues. A monitor thread waits on every worker's process sentinel: when any worker dies,
+asyncio queues; the event loop reads the pipe itself (a reader callback, no thread hop between a
+token and the request waiting for it). A monitor thread waits on every worker's process sentinel: when any worker dies,
 every call in flight fails at once with InstanceFailed (no hang), the survivors are killed, and the
 group restarts; later calls succeed once the new group reports ready.
 """
@@ -105,7 +106,7 @@ class EngineGroup:
         child.close()  # only rank 0 holds it now: its death closes our end
         self._conn = parent
         gen = self._generation
-        threading.Thread(target=self._read, args=(parent, gen), daemon=True, name=f"{self.name}-reader").start()
+        self._loop.add_reader(parent.fileno(), self._read, parent, gen)
         threading.Thread(target=self._watch, args=(list(self._procs), gen), daemon=True,
                          name=f"{self.name}-monitor").start()
 
@@ -123,21 +124,30 @@ class EngineGroup:
         self._kill()
 
     def _kill(self) -> None:
+        self._close_pipe()
         for p in self._procs:
             if p.is_alive():
                 p.kill()
         for p in self._procs:
             p.join(1.0)
 
-    # ---- threads -> event loop -------------------------------------------------------------
+    def _close_pipe(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._loop.remove_reader(self._conn.fileno())
+            self._conn.close()
+
+    # ---- rank 0's pipe and the monitor thread -> event loop ---------------------------------
 
     def _read(self, conn, gen: int) -> None:
-        while True:
-            try:
-                msgs = conn.recv()
-            except (EOFError, OSError):
-                return
-            self._loop.call_soon_threadsafe(self._deliver, msgs, gen)
+        """The pipe is readable: take one batch (the loop calls again while more is waiting). Rank 0
+        writes each batch in one go, so `recv` never waits long for the tail of one."""
+        try:
+            msgs = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone; the monitor thread reports the death
+            if not conn.closed:
+                self._loop.remove_reader(conn.fileno())
+            return
+        self._deliver(msgs, gen)
 
     def _watch(self, procs: list[mp.Process], gen: int) -> None:
         dead = wait([p.sentinel for p in procs])

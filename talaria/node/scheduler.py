@@ -231,7 +231,7 @@ class Scheduler:
         scheduled = seq.arrival if seq.first_scheduled is None else seq.first_scheduled
         last = first if seq.last_token_at is None else seq.last_token_at
         timings = CallTimings(queued_s=scheduled - seq.arrival, prefill_s=seq.prefill_s,
-                              decode_s=last - first, first_token_at=first)
+                              decode_s=last - first, first_token_at=first, service_s=self.clock() - seq.arrival)
         usage = Usage(seq.num_prompt, seq.num_generated, seq.num_cached, seq.num_restored)
         return CallOutput(seq.call.request_id, new, seq.finish, usage, seq.num_computed, timings)
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from talaria.contracts.profile import dump_profile
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
@@ -53,7 +54,7 @@ def router_telemetry(router: Router) -> dict:
 SWITCH_TIMEOUT_S = 120.0
 
 
-def install_admin_routes(app: FastAPI, gateway: Gateway, read_json) -> None:
+def admin_routes(gateway: Gateway, read_json) -> list[Route]:
     supervisor = gateway.supervisor
 
     async def telemetry(request: Request) -> JSONResponse:
@@ -101,6 +102,6 @@ def install_admin_routes(app: FastAPI, gateway: Gateway, read_json) -> None:
                 yield f"data: {event.to_json()}\n\n".encode()
         return SSEResponse(stream())
 
-    app.add_api_route("/talaria/telemetry", telemetry, methods=["GET"])
-    app.add_api_route("/talaria/events", events, methods=["GET"])
-    app.add_api_route("/talaria/admin/switch", switch, methods=["POST"])
+    return [Route("/talaria/telemetry", telemetry, methods=["GET"]),
+            Route("/talaria/events", events, methods=["GET"]),
+            Route("/talaria/admin/switch", switch, methods=["POST"])]

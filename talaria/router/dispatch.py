@@ -11,11 +11,10 @@ Route and lease events go to the node's event log with instance "router".
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import anyio
 
 from talaria.config.schema import Overload, RouterConfig
 from talaria.contracts.call import Usage
@@ -129,7 +128,7 @@ class Dispatcher:
         try:
             deadline = self.clock() + self.config.queue_timeout_s
             while self.clock() < deadline:
-                await anyio.sleep(QUEUE_POLL_S)
+                await asyncio.sleep(QUEUE_POLL_S)
                 self.sync()
                 decision = self.router.route(req, local)
                 if decision.instance is not None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-import anyio
-
 from talaria.contracts.call import CallTimings, FinishReason, InstanceCall, Usage
 from talaria.node.errors import InstanceFailed
 from talaria.router.stop_strings import StopStringMatcher
@@ -86,10 +84,9 @@ class TextGeneration:
         finally:
             if self.finished_at is None:
                 self.finished_at = self._clock()
-            # Closing the instance stream is what cancels the call there; it must run even when
-            # this task is being cancelled (client disconnect), hence the shield.
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
+            # Closing the instance stream is what cancels the call there. It runs even when this
+            # task is being cancelled (client disconnect): asyncio delivers a cancellation once.
+            await outputs.aclose()
 
     def _finish(self, reason: str, usage: Usage | None) -> None:
         self.finished_at = self._clock()

@@ -1,14 +1,56 @@
-"""Server-sent events that stop the moment the client goes away, under any ASGI version."""
+"""Client disconnects: the work done for a request stops the moment its client goes away.
+
+`CancelOnDisconnect` watches a request's `receive` channel in one asyncio task and cancels the
+request's own task when `http.disconnect` arrives; the cancellation ends at the `async with`. An
+anyio task group does the same job for about thirty times the cost, which on a 1-token completion
+was a tenth of everything the gateway adds. `SSEResponse` streams under such a watch.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from types import TracebackType
+from typing import Self
 
-import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
+
+
+class CancelOnDisconnect:
+    """`async with CancelOnDisconnect(receive) as watch:` runs its body in the current task and
+    cancels the body if the client disconnects meanwhile; `watch.disconnected` then says so.
+
+    The body must not swallow CancelledError. asyncio delivers a cancellation once, so `finally`
+    clauses in the body (closing an instance stream) may await after it.
+    """
+
+    __slots__ = ("_receive", "_task", "_watcher", "disconnected")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.disconnected = False
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        self._watcher.cancel()
+        if not self.disconnected:
+            return False
+        self._task.uncancel()  # the cancellation was ours: it ends here
+        return exc_type is None or issubclass(exc_type, asyncio.CancelledError)
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._task.cancel()
 
 
 class SSEResponse(StreamingResponse):
@@ -22,24 +64,14 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
+        async with CancelOnDisconnect(receive):
             try:
                 await self.stream_response(send)
             except OSError:  # ASGI 2.4 servers raise on send once the client is gone
                 log.info("client went away mid-stream")
-            tg.cancel_scope.cancel()
 
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
-async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    """Wait until the client disconnects, then cancel `scope` (the work done on its behalf)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+            await self.body_iterator.aclose()  # type: ignore[union-attr]

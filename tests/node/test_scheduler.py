@@ -200,7 +200,8 @@ def test_the_preempted_sequence_is_restored_from_host_when_its_model_is_active_a
     assert out.token_ids == (54,) and out.finish is FinishReason.LENGTH
     # its prompt was computed at its first admission: the restore is not a prefix hit of this call
     assert out.usage == Usage(prompt_tokens=7, completion_tokens=5, cached_tokens=0, restored_tokens=0)
-    assert out.timings == CallTimings(queued_s=0.0, prefill_s=0.0, decode_s=1.125, first_token_at=0.0)
+    assert out.timings == CallTimings(queued_s=0.0, prefill_s=0.0, decode_s=1.125, first_token_at=0.0,
+                                       service_s=1.125)
 
 
 def test_a_returning_session_restores_its_prefix_from_host_and_counts_it():
@@ -307,7 +308,7 @@ def test_final_output_carries_usage_and_timings_from_the_clock():
     assert inst.run(plan, 52, step_s=0.25) == [CallOutput(
         "r0", (52,), FinishReason.LENGTH, Usage(prompt_tokens=6, completion_tokens=3, cached_tokens=0),
         committed_kv_tokens=8,
-        timings=CallTimings(queued_s=2.0, prefill_s=0.5, decode_s=6.0, first_token_at=4.0))]
+        timings=CallTimings(queued_s=2.0, prefill_s=0.5, decode_s=6.0, first_token_at=4.0, service_s=9.0))]
 
     # the same prompt again: its first page (4 tokens) comes from the device prefix cache
     clock.now = 11.0
@@ -318,7 +319,7 @@ def test_final_output_carries_usage_and_timings_from_the_clock():
     clock.now = 13.0
     assert inst.run(plan, 60, step_s=0.125) == [CallOutput(
         "r1", (60,), FinishReason.LENGTH, Usage(6, 1, 4, 0), committed_kv_tokens=6,
-        timings=CallTimings(queued_s=1.0, prefill_s=0.125, decode_s=0.0, first_token_at=13.0))]
+        timings=CallTimings(queued_s=1.0, prefill_s=0.125, decode_s=0.0, first_token_at=13.0, service_s=2.0))]
     assert s.stats().prefix_hit_tokens == 4 and s.stats().host_restored_tokens == 0
 
 
@@ -330,7 +331,8 @@ def test_prefill_time_sums_every_step_of_a_chunked_prompt_until_the_first_token(
         inst.clock.now = t
         outputs += inst.step(70, step_s)[1]
     assert [o.token_ids for o in outputs] == [(70,), (70,)]
-    assert outputs[-1].timings == CallTimings(queued_s=1.0, prefill_s=0.875, decode_s=1.0, first_token_at=3.0)
+    assert outputs[-1].timings == CallTimings(queued_s=1.0, prefill_s=0.875, decode_s=1.0, first_token_at=3.0,
+                                                 service_s=4.0)
 
 
 def test_timings_are_exact_when_the_clock_starts_at_zero():
@@ -340,7 +342,7 @@ def test_timings_are_exact_when_the_clock_starts_at_zero():
     inst.step(50)
     inst.clock.now = 5.0
     _, [out] = inst.step(51)
-    assert out.timings == CallTimings(queued_s=0.0, prefill_s=0.0, decode_s=5.0, first_token_at=0.0)
+    assert out.timings == CallTimings(queued_s=0.0, prefill_s=0.0, decode_s=5.0, first_token_at=0.0, service_s=5.0)
 
 
 def test_cancel_of_a_running_call_gives_a_cancelled_output_and_frees_its_pages_once_saved():

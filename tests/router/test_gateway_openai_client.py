@@ -2,7 +2,7 @@
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from talaria.router.gateway import create_app
 

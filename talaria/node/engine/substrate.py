@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import pairwise
 
 import torch
 
@@ -214,7 +215,7 @@ class Substrate:
         marks.append(time.perf_counter())
         self.model, self.active, self.plan = cached[0], name, plan  # 5: publish
         marks.append(time.perf_counter())
-        phases = tuple((b - a) * 1e3 for a, b in zip(marks, marks[1:]))
+        phases = tuple((b - a) * 1e3 for a, b in pairwise(marks))
         return RankSwitchRecord(self.group.rank, outgoing, name, gather.path, phases, gather.staged_bytes,
                                 gather.dirty_bytes, gather.total_bytes, rebuilt_runtime=rebuilt)
 

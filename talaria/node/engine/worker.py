@@ -150,7 +150,7 @@ def _serve(core, conn: Connection) -> None:
                 conn.send(out)
     except (EOFError, BrokenPipeError):
         os._exit(0)  # the supervisor is gone: nobody to serve
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- whatever broke, fail the calls and let the group restart
         message = f"engine error: {type(e).__name__}: {e}"
         traceback.print_exc()
         try:
