@@ -80,19 +80,20 @@ def assistant_message(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
 
 
-def token_chain(token_ids: Sequence[int], page: int = DEFAULT_PAGE) -> list[int]:
+def token_chain(token_ids: Sequence[int], page: int = DEFAULT_PAGE, after: int = TOKEN_ROOT) -> list[int]:
     """Cumulative hashes of the full `page`-token blocks of a prompt; a partial tail is ignored.
 
     Hashing whole pages only is what lets a prompt that extends prompt+output match even when the
     output ended mid-page: both agree on every full page they share. Tokens pack as little-endian
-    int32, so 100K tokens hash in a few milliseconds.
+    int32, so 100K tokens hash in a few milliseconds. `after`: the chain's last hash so far, to
+    extend a chain by the tokens after its last full page without hashing the rest again.
     """
     if page < 1:
         raise ValueError(f"token_chain page must be >= 1 token, got {page}")
     data = memoryview(np.asarray(token_ids, dtype="<i4").tobytes())
     step = 4 * page
     chain: list[int] = []
-    last = TOKEN_ROOT
+    last = after
     for start in range(0, len(data) - step + 1, step):
         last = _step(last, data[start:start + step])
         chain.append(last)

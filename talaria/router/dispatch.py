@@ -21,6 +21,7 @@ from talaria.contracts.call import Usage
 from talaria.contracts.events import Event, EventKind
 from talaria.node.errors import InstanceUnavailable
 from talaria.router.continuity import (
+    DEFAULT_PAGE,
     ContinuityIndex,
     assistant_message,
     extend_chain,
@@ -148,8 +149,9 @@ class Dispatcher:
             last = placement.chain[-1]
             if placement.endpoint is Endpoint.CHAT:  # the client appends our reply as an assistant message
                 keys = [last, extend_chain(last, assistant_message(reply))]
-            else:  # the next prompt starts with this prompt and our output
-                keys = [last, *token_chain([*placement.prompt_ids, *output_ids])[-1:]]
+            else:  # the next prompt starts with this prompt and our output: hash only what follows
+                tail = placement.prompt_ids[len(placement.chain) * DEFAULT_PAGE:]  # after its last full page
+                keys = [last, *token_chain([*tail, *output_ids], after=last)[-1:]]
             self.continuity.remember(req.model, req.session, keys)
 
     # ---- events -----------------------------------------------------------------------------

@@ -76,12 +76,12 @@ def create_app(
     """The gateway app. `clock` (monotonic) times latencies and session leases; `wall_clock` stamps
     `created`; `InstanceCall.enqueue_time` is on `clock`, the node's monotonic clock; `new_id` makes request ids."""
     gateway = Gateway(supervisor, clock, wall_clock, new_id)
-    routes = [
+    routes = [  # matched in order: the hot ones first
+        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics_page, methods=["GET"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
         *admin_routes(gateway, _read_json),
     ]
     app = Starlette(routes=routes, middleware=[Middleware(RequestCounter, metrics=gateway.metrics)],

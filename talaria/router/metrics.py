@@ -118,6 +118,7 @@ class GatewayMetrics:
                                    registry=self.registry)
         self._cached = Counter("talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                labels, registry=self.registry)
+        self._series: dict[tuple[str, str], tuple] = {}  # (model, instance) -> its labelled children
         self.registry.register(InstanceStatsCollector(stats))
         if router is not None:
             self.registry.register(RouterCollector(router))
@@ -128,15 +129,20 @@ class GatewayMetrics:
     def observe_call(self, model: str, instance: str, arrival: float, first_token_at: float | None,
                      finished_at: float, usage: Usage) -> None:
         """Record one call that finished normally; times are from the gateway's monotonic clock."""
-        self._e2e.labels(model, instance).observe(finished_at - arrival)
+        series = self._series.get((model, instance))
+        if series is None:  # `labels()` takes a lock and builds a key: once per pair, not per call
+            series = self._series[(model, instance)] = tuple(
+                m.labels(model, instance) for m in (self._e2e, self._ttft, self._tpot, self._prompt,
+                                                    self._completion, self._cached))
+        e2e, ttft, tpot, prompt, completion, cached = series
+        e2e.observe(finished_at - arrival)
         if first_token_at is not None:
-            self._ttft.labels(model, instance).observe(first_token_at - arrival)
+            ttft.observe(first_token_at - arrival)
             if usage.completion_tokens > 1:
-                gap = (finished_at - first_token_at) / (usage.completion_tokens - 1)
-                self._tpot.labels(model, instance).observe(gap)
-        self._prompt.labels(model, instance).inc(usage.prompt_tokens)
-        self._completion.labels(model, instance).inc(usage.completion_tokens)
-        self._cached.labels(model, instance).inc(usage.cached_tokens)
+                tpot.observe((finished_at - first_token_at) / (usage.completion_tokens - 1))
+        prompt.inc(usage.prompt_tokens)
+        completion.inc(usage.completion_tokens)
+        cached.inc(usage.cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -135,6 +135,14 @@ def test_token_chain_matches_prompts_extending_prompt_plus_output_by_full_pages_
     assert token_chain(prompt[:63]) == []
 
 
+def test_a_chain_extended_after_its_last_full_page_equals_the_chain_of_the_whole():
+    rng = random.Random(1)
+    prompt = [rng.randrange(50_000) for _ in range(150)]  # 2 full pages and 22 tokens
+    output = [rng.randrange(50_000) for _ in range(100)]
+    head = token_chain(prompt)
+    assert head + token_chain(prompt[128:] + output, after=head[-1]) == token_chain(prompt + output)
+
+
 def test_content_part_lists_hash_by_their_parts():
     a = {"role": "user", "content": [{"type": "text", "text": "hello"}]}
     b = {"role": "user", "content": [{"type": "text", "text": "hello!"}]}
