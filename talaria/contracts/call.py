@@ -11,13 +11,24 @@ detokenizing and stop strings live in the gateway, so the engine never sees text
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
+from operator import attrgetter
 
 from talaria.contracts.profile import Profile
 from talaria.contracts.telemetry import InstanceStats  # noqa: F401  (a message of this transport)
 
 
+def _pickled_by_fields(cls: type) -> type:
+    """Pickle as `cls(*fields)`: half the time of pickle's default for slotted dataclasses. The
+    messages of every call cross the pipe this way, each pickled once and unpickled once."""
+    names = [f.name for f in fields(cls)]
+    get = attrgetter(*names)
+    cls.__reduce__ = (lambda self: (cls, (get(self),))) if len(names) == 1 else (lambda self: (cls, get(self)))
+    return cls
+
+
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -33,6 +44,7 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class PrefixHandle:
     """Where the router believes a session's KV lives (filled by the session-aware router)."""
@@ -43,6 +55,7 @@ class PrefixHandle:
     prefix_hash: int  # cumulative page hash at the last full page of that prefix
 
 
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class InstanceCall:
     request_id: str
@@ -54,6 +67,7 @@ class InstanceCall:
     enqueue_time: float = 0.0  # intended enqueue, node monotonic clock (s); TTFT is measured from it
 
 
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class CancelCall:
     """The client went away or a stop string matched: stop decoding and release the KV."""
@@ -68,6 +82,7 @@ class FinishReason(str, Enum):
     ERROR = "error"
 
 
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
@@ -76,6 +91,7 @@ class Usage:
     restored_tokens: int = 0  # of those, tokens restored from host memory (HKVR) rather than device
 
 
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class CallTimings:
     """Seconds, measured by the instance; diagnostic sub-views, they may overlap."""
@@ -87,6 +103,7 @@ class CallTimings:
     service_s: float = 0.0  # arrival at the instance -> its final record: everything the instance spent on the call
 
 
+@_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class CallOutput:
     """Tokens as they are produced; the last record of a call has `finish` set."""
