@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 from talaria.contracts.events import Event
@@ -30,10 +29,9 @@ class EventLog:
     def append(self, events: list[Event]) -> None:
         if not events:
             return
-        numbered = []
-        for e in events:
-            numbered.append(replace(e, seq=self._next))
-            self._next += 1
+        first = self._next
+        self._next += len(events)
+        numbered = [Event(e.t, e.instance, e.kind, e.data, seq) for seq, e in enumerate(events, first)]
         self._ring.extend(numbered)
         if self._file is not None:
             self._file.write("".join(e.to_json() + "\n" for e in numbered))
