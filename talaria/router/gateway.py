@@ -187,15 +187,18 @@ class Gateway:
     async def _whole(self, request: Request, gen: TextGeneration, fmt: ResponseFormat,
                      parsed: ParsedRequest, arrival: float, headers: dict[str, str]) -> Response:
         parts: list[str] = []
+        finished = False
         try:
             async with CancelOnDisconnect(request.receive), aclosing(gen.text()) as deltas:
                 async for text in deltas:
                     parts.append(text)
+            finished = gen.finish_reason is not None and gen.usage is not None
         except (InstanceFailed, InstanceUnavailable) as e:
-            self._record(gen, parsed, arrival)
             raise _instance_error(e, gen.call.request_id) from None
-        if gen.finish_reason is None or gen.usage is None:
-            self._record(gen, parsed, arrival)
+        finally:
+            if not finished:  # failed, or the client left: release the call's routing state now
+                self._record(gen, parsed, arrival)
+        if not finished:
             log.info("%s: client disconnected; call cancelled", gen.call.request_id)
             return Response(status_code=CLIENT_CLOSED)
         if gen.timings is not None:  # what the instance spent on the call; the rest is gateway and transport

@@ -131,6 +131,25 @@ def test_instance_failed_non_streaming_is_503(client, sup):
     assert "hot0 died" in err["message"] and resp.headers["retry-after"]
 
 
+def routed_in_flight(client: TestClient) -> int:
+    return sum(v.in_flight for v in client.app.state.gateway.dispatcher.router.views.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_that_fails_still_releases_its_routing_state(client, sup, stream):
+    sup.groups[0].fail_after = 2
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 5, "stream": stream})
+
+    def broken(ids, skip_special_tokens=True):
+        raise RuntimeError("a bug in detokenizing")
+
+    sup.groups[0].fail_after = None
+    sup.tokenizer(MODEL).decode = broken  # not an instance failure: a bug of ours, mid-call
+    resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 5, "stream": stream})
+    assert resp.status_code == (200 if stream else 500)  # a stream reports it in-band
+    assert routed_in_flight(client) == 0 and sup.groups[0].in_flight == 0
+
+
 def test_instance_failed_streaming_is_sse_error_then_close(client, sup):
     sup.groups[0].fail_after = 2
     resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 5, "stream": True})
