@@ -22,8 +22,8 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -71,7 +71,7 @@ def create_app(
     *,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
-    new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    new_id: Callable[[], str] = lambda: secrets.token_hex(16),  # 128 random bits, as uuid4 (a tenth of its cost)
 ) -> Starlette:
     """The gateway app. `clock` (monotonic) times latencies and session leases; `wall_clock` stamps
     `created`; `InstanceCall.enqueue_time` is on `clock`, the node's monotonic clock; `new_id` makes request ids."""
@@ -238,6 +238,9 @@ class _SentThen(JSONResponse):
         super().__init__(content, headers=headers)
         self._then = then
 
+    def render(self, content: Any) -> bytes:
+        return _JSON_OUT.encode(content).encode()  # JSONResponse's, minus building an encoder per call
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
@@ -302,7 +305,9 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
-_JSON = json.JSONDecoder(parse_constant=_reject_constant)  # built once: json.loads(..., kw) builds one per call
+# built once: json.loads and json.dumps with options build a decoder or an encoder per call
+_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+_JSON_OUT = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def _too_large(limit: int) -> APIError:

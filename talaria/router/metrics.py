@@ -118,19 +118,24 @@ class GatewayMetrics:
                                    registry=self.registry)
         self._cached = Counter("talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                labels, registry=self.registry)
-        self._series: dict[tuple[str, str], tuple] = {}  # (model, instance) -> its labelled children
+        # labelled children, looked up once: `labels()` takes a lock and builds a key
+        self._counted: dict[tuple[str, int], Counter] = {}  # (endpoint, status) -> its requests counter
+        self._series: dict[tuple[str, str], tuple] = {}  # (model, instance) -> its call metrics
         self.registry.register(InstanceStatsCollector(stats))
         if router is not None:
             self.registry.register(RouterCollector(router))
 
     def count_request(self, endpoint: str, status: int) -> None:
-        self._requests.labels(endpoint, str(status)).inc()
+        counter = self._counted.get((endpoint, status))
+        if counter is None:
+            counter = self._counted[endpoint, status] = self._requests.labels(endpoint, str(status))
+        counter.inc()
 
     def observe_call(self, model: str, instance: str, arrival: float, first_token_at: float | None,
                      finished_at: float, usage: Usage) -> None:
         """Record one call that finished normally; times are from the gateway's monotonic clock."""
         series = self._series.get((model, instance))
-        if series is None:  # `labels()` takes a lock and builds a key: once per pair, not per call
+        if series is None:
             series = self._series[(model, instance)] = tuple(
                 m.labels(model, instance) for m in (self._e2e, self._ttft, self._tpot, self._prompt,
                                                     self._completion, self._cached))
