@@ -90,6 +90,8 @@ def token_chain(token_ids: Sequence[int], page: int = DEFAULT_PAGE, after: int =
     """
     if page < 1:
         raise ValueError(f"token_chain page must be >= 1 token, got {page}")
+    if len(token_ids) < page:
+        return []
     data = memoryview(np.asarray(token_ids, dtype="<i4").tobytes())
     step = 4 * page
     chain: list[int] = []

@@ -1,6 +1,7 @@
 """Prometheus metrics of one gateway, on its own `CollectorRegistry`.
 
-Latency histograms and token counters are updated by the gateway as calls finish; per-instance load
+Latency histograms and token counters are plain numbers the gateway updates as calls finish, turned
+into metric families at scrape time like everything else here; per-instance load
 (queue depth, running sequences, KV pages) is read from `supervisor.stats()` at scrape time, so it is
 never stale and costs nothing between scrapes. A registry per app (not prometheus-client's global
 one) lets several gateways — or a simulator and a live node — share a process.
@@ -9,16 +10,18 @@ one) lets several gateways — or a simulator and a live node — share a proces
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from itertools import accumulate
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from talaria.contracts.call import Usage
 from talaria.contracts.telemetry import InstanceStats
@@ -96,6 +99,72 @@ class RouterCollector:
         yield from (leases, returns, opens, decisions)
 
 
+class _Buckets:
+    """One histogram series as plain numbers: `counts[i]` holds the observations in bucket i alone
+    (the last is +Inf); the cumulative counts Prometheus wants are summed at scrape time."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # bucket "le b" holds value == b
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        edges = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
+        return list(zip(edges, accumulate(self.counts), strict=True))
+
+
+class _CallSeries:
+    """What the gateway counts for one (model, instance)."""
+
+    __slots__ = ("cached", "completion", "e2e", "prompt", "tpot", "ttft")
+
+    def __init__(self) -> None:
+        self.e2e, self.ttft, self.tpot = _Buckets(E2E_BUCKETS), _Buckets(TTFT_BUCKETS), _Buckets(TPOT_BUCKETS)
+        self.prompt = self.completion = self.cached = 0
+
+
+class GatewayCollector:
+    """The gateway's own counters, kept as plain numbers the event loop updates (prometheus-client's
+    metrics take a lock per update, eight per call) and turned into metric families at scrape time."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> requests
+        self.calls: dict[tuple[str, str], _CallSeries] = {}  # (model, instance) -> finished calls
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("talaria_requests", "HTTP requests by endpoint and status",
+                                       labels=["endpoint", "status"])
+        for (endpoint, status), n in self.requests.items():
+            requests.add_metric([endpoint, str(status)], n)
+        labels = ["model", "instance"]
+        histograms = (("e2e", "talaria_e2e_latency_seconds", "Time from request arrival to the last token"),
+                      ("ttft", "talaria_ttft_seconds", "Time from request arrival to the first token"),
+                      ("tpot", "talaria_time_per_output_token_seconds", "Mean gap between output tokens of a call"))
+        counters = (("prompt", "talaria_prompt_tokens", "Prompt tokens of finished calls"),
+                    ("completion", "talaria_completion_tokens", "Generated tokens of finished calls"),
+                    ("cached", "talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache"))
+        families = []
+        for attr, name, doc in histograms:
+            family = HistogramMetricFamily(name, doc, labels=labels)
+            for key, series in self.calls.items():
+                h = getattr(series, attr)
+                family.add_metric(list(key), h.cumulative(), h.total)
+            families.append(family)
+        for attr, name, doc in counters:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for key, series in self.calls.items():
+                family.add_metric(list(key), getattr(series, attr))
+            families.append(family)
+        yield requests
+        yield from families
+
+
 class GatewayMetrics:
     """The gateway's metrics; `render` produces the /metrics body."""
 
@@ -103,51 +172,30 @@ class GatewayMetrics:
 
     def __init__(self, stats: Callable[[], Iterable[InstanceStats]], router: Router | None = None) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model", "instance"]
-        self._ttft = Histogram("talaria_ttft_seconds", "Time from request arrival to the first token",
-                               labels, buckets=TTFT_BUCKETS, registry=self.registry)
-        self._tpot = Histogram("talaria_time_per_output_token_seconds", "Mean gap between output tokens of a call",
-                               labels, buckets=TPOT_BUCKETS, registry=self.registry)
-        self._e2e = Histogram("talaria_e2e_latency_seconds", "Time from request arrival to the last token",
-                              labels, buckets=E2E_BUCKETS, registry=self.registry)
-        self._requests = Counter("talaria_requests", "HTTP requests by endpoint and status",
-                                 ["endpoint", "status"], registry=self.registry)
-        self._prompt = Counter("talaria_prompt_tokens", "Prompt tokens of finished calls", labels,
-                               registry=self.registry)
-        self._completion = Counter("talaria_completion_tokens", "Generated tokens of finished calls", labels,
-                                   registry=self.registry)
-        self._cached = Counter("talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
-                               labels, registry=self.registry)
-        # labelled children, looked up once: `labels()` takes a lock and builds a key
-        self._counted: dict[tuple[str, int], Counter] = {}  # (endpoint, status) -> its requests counter
-        self._series: dict[tuple[str, str], tuple] = {}  # (model, instance) -> its call metrics
+        self._own = GatewayCollector()
+        self.registry.register(self._own)
         self.registry.register(InstanceStatsCollector(stats))
         if router is not None:
             self.registry.register(RouterCollector(router))
 
     def count_request(self, endpoint: str, status: int) -> None:
-        counter = self._counted.get((endpoint, status))
-        if counter is None:
-            counter = self._counted[endpoint, status] = self._requests.labels(endpoint, str(status))
-        counter.inc()
+        requests = self._own.requests
+        requests[endpoint, status] = requests.get((endpoint, status), 0) + 1
 
     def observe_call(self, model: str, instance: str, arrival: float, first_token_at: float | None,
                      finished_at: float, usage: Usage) -> None:
         """Record one call that finished normally; times are from the gateway's monotonic clock."""
-        series = self._series.get((model, instance))
+        series = self._own.calls.get((model, instance))
         if series is None:
-            series = self._series[(model, instance)] = tuple(
-                m.labels(model, instance) for m in (self._e2e, self._ttft, self._tpot, self._prompt,
-                                                    self._completion, self._cached))
-        e2e, ttft, tpot, prompt, completion, cached = series
-        e2e.observe(finished_at - arrival)
+            series = self._own.calls[model, instance] = _CallSeries()
+        series.e2e.observe(finished_at - arrival)
         if first_token_at is not None:
-            ttft.observe(first_token_at - arrival)
+            series.ttft.observe(first_token_at - arrival)
             if usage.completion_tokens > 1:
-                tpot.observe((finished_at - first_token_at) / (usage.completion_tokens - 1))
-        prompt.inc(usage.prompt_tokens)
-        completion.inc(usage.completion_tokens)
-        cached.inc(usage.cached_tokens)
+                series.tpot.observe((finished_at - first_token_at) / (usage.completion_tokens - 1))
+        series.prompt += usage.prompt_tokens
+        series.completion += usage.completion_tokens
+        series.cached += usage.cached_tokens
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
