@@ -223,13 +223,15 @@ class Router:
         nothing else (the lease says where the session's last call finished and when)."""
         now = self.clock()
         self._local = local
-        self.leases.sweep(now)
-        m = self._mean_prompt.get(req.model)
-        m = self._mean_prompt[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
+        leases, stats = self.leases, self.stats
+        leases.sweep(now)
+        means = self._mean_prompt
+        m = means.get(req.model)
+        m = means[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
         self._prompt = int(m)
         lease = last = None
         if req.session is not None:
-            lease = self.leases.get(req.session, req.model)
+            lease = leases.get(req.session, req.model)
             if lease is None:
                 last = self.sessions.get(req.session, req.model, now)
         policy = self.config.policy
@@ -243,11 +245,11 @@ class Router:
         same = None
         if previous is not None:
             same = decision.same_instance = decision.instance == previous
-            self.stats.returns += 1
-            self.stats.same_instance_returns += same
+            stats.returns += 1
+            stats.same_instance_returns += same
         if decision.avoidable_open:
-            self.stats.avoidable_opens += 1
-        self.stats.decisions[decision.reason] += 1
+            stats.avoidable_opens += 1
+        stats.decisions[decision.reason] += 1
         if self._emit is not None:
             c = decision.cost
             self._emit("route", request=req.request_id, session=req.session, model=req.model,
@@ -266,7 +268,7 @@ class Router:
                 self.stats.lease_hits += 1
                 if self._emit is not None:
                     self._emit("lease", op="consume", session=req.session, model=req.model, target=lease.instance)
-                return RouteDecision(lease.instance, Reason.LEASE_HIT, lease=lease)
+                return RouteDecision(lease.instance, Reason.LEASE_HIT, None, 0, False, lease)
             self.stats.lease_misses += 1
             if self._emit is not None:
                 self._emit("lease", op="discard", reason="unhealthy" if not usable else "prefix-lost",
