@@ -82,7 +82,8 @@ class InstanceView:
     profile: Profile | None = None
     sent: int = 0  # calls routed here since the snapshot (the in-flight overlay)
     in_flight: int = 0  # calls routed here and not finished
-    listed: dict[tuple[str, str], dict] = field(default_factory=dict)  # (session, model) -> snapshot entry
+    # (session, model) -> (kv_tokens, location) of the snapshot's entry for it
+    listed: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
     holds: frozenset[str] = frozenset()  # models active, staged or with work here
     terms: dict[str, _Terms] = field(default_factory=dict)
 
@@ -181,7 +182,8 @@ class Router:
             return
         view.snapshot, view.sent = snapshot, 0
         view.received_at = self.clock() if taken_at is None else taken_at
-        view.listed = {(e.get("session"), e.get("model")): e for e in snapshot.sessions}
+        view.listed = {(e.get("session"), e.get("model")): (e.get("kv_tokens") or 0, e.get("location", "missing"))
+                       for e in snapshot.sessions}
         busy = {q.model for q in snapshot.queues if q.waiting or q.running}
         view.holds = frozenset(busy | {m for m in (snapshot.active_model, snapshot.staged_model) if m})
         view.terms = {}
@@ -405,11 +407,11 @@ class Router:
         completion cannot know, and a snapshot lists only its most recent sessions, so an unlisted
         prefix counts as kept (device) until a snapshot lists it elsewhere."""
         entry = view.listed.get((req.session, req.model))
-        if entry is None or not entry.get("kv_tokens"):
+        if entry is None or not entry[0]:
             return "device"  # unknown, or not one full page: nothing to lose, nothing to recompute
         if view.received_at <= done_at:
             return "device"
-        return entry.get("location", "missing")
+        return entry[1]
 
     def _prefix_kept(self, view: InstanceView, req: RouteRequest, lease: Lease) -> bool:
         if view.snapshot is None or view.received_at <= lease.t_done:
