@@ -113,14 +113,11 @@ class Cost:
     c_act_s: float
     kv: str  # device | host | missing: what C_kv charged for the session's prefix
     opens: bool  # the instance must open the model: not active, staged or with calls queued there
+    total_s: float  # dR_req + C_kv + C_act, summed once: a decision compares it many times
 
     @property
     def delta_r_s(self) -> float:
         return self.queue_s + self.prefill_s + self.decode_s
-
-    @property
-    def total_s(self) -> float:
-        return self.delta_r_s + self.c_kv_s + self.c_act_s
 
     @property
     def start_s(self) -> float:
@@ -380,7 +377,8 @@ class Router:
         batch = view.snapshot.running + 1
         decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens)
         prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable)
-        return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds)
+        return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
+                    queue + prefill + decode + c_kv + t.c_act_s)
 
     def _admits(self, view: InstanceView, req: RouteRequest, cost: Cost) -> bool:
         """Round admission (the call starts within `admit_rounds` rounds, or `max_queue_s` on a hot
