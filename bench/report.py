@@ -6,6 +6,7 @@ import json
 import platform
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -36,7 +37,6 @@ def cpu_model() -> str:
 def environment(log: ProgressLog, load_start: float) -> dict:
     """What a result depends on besides the code: software, machine, load, date, duration."""
     import os
-    from datetime import datetime, timezone
 
     import torch
 
@@ -46,7 +46,7 @@ def environment(log: ProgressLog, load_start: float) -> dict:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_average": {"start": load_start, "end": os.getloadavg()[0]},
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "wall_s": log.elapsed,
     }
 

@@ -15,14 +15,9 @@ from __future__ import annotations
 import difflib
 import math
 import re
-import sys
+import tomllib
 from importlib import resources
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import (

@@ -14,8 +14,8 @@ import dataclasses
 import difflib
 import math
 import os
-import sys
 import tempfile
+import tomllib
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -23,11 +23,6 @@ from typing import NoReturn
 
 import numpy as np
 import tomli_w
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 PROFILE_SCHEMA = 1
 SWITCH_PATHS = ("full_d2d", "partial", "h2d_only")  # talaria.node.memory.stager.SwitchPath values

@@ -131,7 +131,7 @@ class LiveFeed:
         """Whether a resumed stream continues the run we were reading (see the module docstring)."""
         try:
             first = await asyncio.wait_for(anext(events), RESUME_WAIT_S)
-        except (StopAsyncIteration, asyncio.TimeoutError):
+        except (TimeoutError, StopAsyncIteration):
             return False
         if first["seq"] == resume[0]:
             return (first["seq"], first["t"], first["kind"]) == resume

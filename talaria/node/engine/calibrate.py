@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,7 +104,7 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
         device=inst.device.value,
         tp=inst.tp,
         device_bytes=torch.cuda.get_device_properties(sub.arena.device).total_memory if cuda else inst.arena_bytes,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
         method=method,
         bandwidth=bandwidth,
         models=models,
