@@ -1,8 +1,8 @@
 """The supervisor's handle on one instance: its engine group of `tp` worker processes.
 
 It spawns the workers, forwards calls over rank 0's pipe and turns the replies into per-call
-asyncio queues; the event loop reads the pipe itself (a reader callback, no thread hop between a
-token and the request waiting for it). A monitor thread waits on every worker's process sentinel: when any worker dies,
+asyncio queues; the event loop reads the pipe itself (a reader callback that never blocks, no
+thread hop between a token and the request waiting for it). A monitor thread waits on every worker's process sentinel: when any worker dies,
 every call in flight fails at once with InstanceFailed (no hang), the survivors are killed, and the
 group restarts; later calls succeed once the new group reports ready.
 """
@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
+import pickle
 import socket
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +51,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Frames:
+    """Rank 0's messages, read off our end of the pipe without ever blocking the event loop: each
+    read takes what has arrived, and whole messages are cut from it by multiprocessing.Connection's
+    framing (a 4-byte big-endian length; above 2 GiB, -1 there and then an 8-byte one). A worker
+    that stops halfway through a message stalls only its own calls, never the gateway."""
+
+    def __init__(self, fd: int) -> None:
+        self._sock = socket.socket(fileno=os.dup(fd))
+        self._buf = bytearray()
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def read(self) -> list[bytes] | None:
+        """The messages completed by what has arrived; None once rank 0's end is closed."""
+        try:
+            chunk = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        buf = self._buf
+        buf += chunk
+        frames = []
+        while len(buf) >= 4:
+            (size,) = struct.unpack_from("!i", buf)
+            start = 4
+            if size == -1:
+                if len(buf) < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buf, 4)
+                start = 12
+            if len(buf) < start + size:
+                break
+            frames.append(bytes(buf[start:start + size]))
+            del buf[:start + size]
+        return frames
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 class EngineGroup:
     def __init__(self, config: InstanceConfig, models: list[ModelFiles], threads: int,
                  fault: TestOnlyFault | None = None,
@@ -69,8 +116,9 @@ class EngineGroup:
         self._switches: dict[str, asyncio.Future] = {}
         self._switch_ids = 0
         self._procs: list[mp.Process] = []
-        self._conn = None
-        self._generation = 0  # bumped per spawn, so stale threads of a dead group stay quiet
+        self._conn = None  # our end of rank 0's pipe: we send on it
+        self._frames: _Frames | None = None  # and read it through this
+        self._generation = 0  # bumped per spawn, so callbacks and threads of a dead group stay quiet
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready_event = asyncio.Event()
@@ -104,9 +152,9 @@ class EngineGroup:
         for p in self._procs:
             p.start()
         child.close()  # only rank 0 holds it now: its death closes our end
-        self._conn = parent
+        self._conn, self._frames = parent, _Frames(parent.fileno())
         gen = self._generation
-        self._loop.add_reader(parent.fileno(), self._read, parent, gen)
+        self._loop.add_reader(self._frames.fileno(), self._read, self._frames, gen)
         threading.Thread(target=self._watch, args=(list(self._procs), gen), daemon=True,
                          name=f"{self.name}-monitor").start()
 
@@ -132,22 +180,25 @@ class EngineGroup:
             p.join(1.0)
 
     def _close_pipe(self) -> None:
-        if self._conn is not None and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
+        if self._frames is not None:
+            self._loop.remove_reader(self._frames.fileno())
+            self._frames.close()
+            self._frames = None
+        if self._conn is not None:
             self._conn.close()
 
     # ---- rank 0's pipe and the monitor thread -> event loop ---------------------------------
 
-    def _read(self, conn, gen: int) -> None:
-        """The pipe is readable: take one batch (the loop calls again while more is waiting). Rank 0
-        writes each batch in one go, so `recv` never waits long for the tail of one."""
-        try:
-            msgs = conn.recv()
-        except (EOFError, OSError):  # rank 0 is gone; the monitor thread reports the death
-            if not conn.closed:
-                self._loop.remove_reader(conn.fileno())
+    def _read(self, frames: _Frames, gen: int) -> None:
+        """The pipe is readable: deliver every batch rank 0 has finished sending."""
+        if frames is not self._frames:  # a callback queued before its pipe was closed
             return
-        self._deliver(msgs, gen)
+        batches = frames.read()
+        if batches is None:  # rank 0 is gone; the monitor thread reports the death
+            self._loop.remove_reader(frames.fileno())
+            return
+        for batch in batches:
+            self._deliver(pickle.loads(batch), gen)
 
     def _watch(self, procs: list[mp.Process], gen: int) -> None:
         dead = wait([p.sentinel for p in procs])

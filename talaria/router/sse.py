@@ -23,34 +23,40 @@ class CancelOnDisconnect:
     """`async with CancelOnDisconnect(receive) as watch:` runs its body in the current task and
     cancels the body if the client disconnects meanwhile; `watch.disconnected` then says so.
 
-    The body must not swallow CancelledError. asyncio delivers a cancellation once, so `finally`
+    Only its own cancellation ends at the `async with`: one the task was already under when the
+    client left (server shutdown) is not doubled, and one that arrives beside it propagates. The
+    body must not swallow CancelledError. asyncio delivers a cancellation once, so `finally`
     clauses in the body (closing an instance stream) may await after it.
     """
 
-    __slots__ = ("_receive", "_task", "_watcher", "disconnected")
+    __slots__ = ("_baseline", "_ours", "_receive", "_task", "_watcher", "disconnected")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self.disconnected = False
+        self._ours = False  # the watcher cancelled the task
 
     async def __aenter__(self) -> Self:
         self._task = asyncio.current_task()
+        self._baseline = self._task.cancelling()
         self._watcher = asyncio.create_task(self._watch())
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
         self._watcher.cancel()
-        if not self.disconnected:
+        if not self._ours:
             return False
-        self._task.uncancel()  # the cancellation was ours: it ends here
-        return exc_type is None or issubclass(exc_type, asyncio.CancelledError)
+        others = self._task.uncancel() > self._baseline  # someone else cancelled too: theirs goes on
+        return not others and exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
 
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
         self.disconnected = True
-        self._task.cancel()
+        if self._task.cancelling() == self._baseline:  # not being cancelled already
+            self._ours = True
+            self._task.cancel()
 
 
 class SSEResponse(StreamingResponse):
