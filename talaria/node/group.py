@@ -2,9 +2,10 @@
 
 It spawns the workers, forwards calls over rank 0's pipe and turns the replies into per-call
 asyncio queues; the event loop reads the pipe itself (a reader callback that never blocks, no
-thread hop between a token and the request waiting for it). A monitor thread waits on every worker's process sentinel: when any worker dies,
-every call in flight fails at once with InstanceFailed (no hang), the survivors are killed, and the
-group restarts; later calls succeed once the new group reports ready.
+thread hop between a token and the request waiting for it). A monitor thread waits on every
+worker's process sentinel: when any worker dies, every call in flight fails at once with
+InstanceFailed (no hang), the survivors are killed, and the group restarts; later calls succeed
+once the new group reports ready.
 """
 
 from __future__ import annotations
