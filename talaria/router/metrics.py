@@ -99,6 +99,15 @@ class RouterCollector:
         yield from (leases, returns, opens, decisions)
 
 
+# (_CallSeries attribute, metric name, help) of what the gateway counts per (model, instance)
+CALL_HISTOGRAMS = (("e2e", "talaria_e2e_latency_seconds", "Time from request arrival to the last token"),
+                   ("ttft", "talaria_ttft_seconds", "Time from request arrival to the first token"),
+                   ("tpot", "talaria_time_per_output_token_seconds", "Mean gap between output tokens of a call"))
+CALL_COUNTERS = (("prompt", "talaria_prompt_tokens", "Prompt tokens of finished calls"),
+                 ("completion", "talaria_completion_tokens", "Generated tokens of finished calls"),
+                 ("cached", "talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache"))
+
+
 class _Buckets:
     """One histogram series as plain numbers: `counts[i]` holds the observations in bucket i alone
     (the last is +Inf); the cumulative counts Prometheus wants are summed at scrape time."""
@@ -143,20 +152,14 @@ class GatewayCollector:
         for (endpoint, status), n in self.requests.items():
             requests.add_metric([endpoint, str(status)], n)
         labels = ["model", "instance"]
-        histograms = (("e2e", "talaria_e2e_latency_seconds", "Time from request arrival to the last token"),
-                      ("ttft", "talaria_ttft_seconds", "Time from request arrival to the first token"),
-                      ("tpot", "talaria_time_per_output_token_seconds", "Mean gap between output tokens of a call"))
-        counters = (("prompt", "talaria_prompt_tokens", "Prompt tokens of finished calls"),
-                    ("completion", "talaria_completion_tokens", "Generated tokens of finished calls"),
-                    ("cached", "talaria_cached_prompt_tokens", "Prompt tokens served from the prefix cache"))
         families = []
-        for attr, name, doc in histograms:
+        for attr, name, doc in CALL_HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=labels)
             for key, series in self.calls.items():
                 h = getattr(series, attr)
                 family.add_metric(list(key), h.cumulative(), h.total)
             families.append(family)
-        for attr, name, doc in counters:
+        for attr, name, doc in CALL_COUNTERS:
             family = CounterMetricFamily(name, doc, labels=labels)
             for key, series in self.calls.items():
                 family.add_metric(list(key), getattr(series, attr))
