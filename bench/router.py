@@ -69,14 +69,14 @@ from talaria.contracts.profile import (
 )
 from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
 from talaria.replay import percentile
-from talaria.router.router import InstanceView, Reason, Router, RouteRequest
+from talaria.routing.router import InstanceView, Reason, Router, RouteRequest
 
 TARGETS = {"lease_hit_p99_us": 20.0, "ranked_p99_us": 250.0, "gateway_added_p50_ms": 2.0}  # all upper bounds
 
 MODELS = tuple(f"m{i}" for i in range(8))
 HOT, COLD = 16, 48  # instances
 SESSIONS = 100_000
-SHOWN = 256  # sessions a snapshot lists (talaria.node.scheduler.MAX_SESSIONS_SHOWN)
+SHOWN = 256  # sessions a snapshot lists (talaria.instance.scheduler.MAX_SESSIONS_SHOWN)
 TICK_S = 50e-6  # router clock per decision (or per completion while filling the tables)
 REFRESH_S = 0.25  # telemetry period
 WARMUP_STEPS = 2_000

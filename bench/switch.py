@@ -48,15 +48,15 @@ from talaria.config.schema import (
     SyntheticShape,
 )
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
+from talaria.contracts.step_plan import MemoryOps
+from talaria.executor.executor import EngineCore
+from talaria.executor.kv_cache import KVCache
+from talaria.executor.parallel import Shard, TPGroup
+from talaria.executor.substrate import DTYPES
+from talaria.executor.weights import weights_nbytes
+from talaria.memory.stager import SwitchPath
+from talaria.memory.switch_record import PHASES, SwitchRecord
 from talaria.models.source import ModelFiles, prepare_model
-from talaria.node.engine.core import EngineCore
-from talaria.node.engine.kv_cache import KVCache
-from talaria.node.engine.parallel import Shard, TPGroup
-from talaria.node.engine.substrate import DTYPES
-from talaria.node.engine.weights import weights_nbytes
-from talaria.node.memory.stager import SwitchPath
-from talaria.node.memory.switch_record import PHASES, SwitchRecord
-from talaria.node.step_plan import MemoryOps
 
 # A (~349 MiB) serves first; B (~317 MiB, another KV page size) is the switch target
 MODEL_A = ModelConfig(name="switch-a", source="synthetic:", dtype="float32", seed=1, shape=SyntheticShape(

@@ -18,6 +18,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.tiny_models import model_cache, tiny  # noqa: F401  (fixtures: tiny random models, every folder)
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "talaria.toml"
 START_TIMEOUT_S = 300

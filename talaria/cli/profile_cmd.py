@@ -33,8 +33,8 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
     the router ranks placements by, and what `talaria sim` charges.
     """
     from talaria.contracts.profile import save_profile
-    from talaria.node.engine.calibrate import QUICK, Probes
-    from talaria.node.group import EngineGroup
+    from talaria.executor.calibrate import QUICK, Probes
+    from talaria.node.engine_group import EngineGroup
     from talaria.node.supervisor import Supervisor, worker_threads
 
     path = config_path or default_config_path()

@@ -46,7 +46,7 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
     from talaria.config.loader import load_config
     from talaria.contracts.profile import ProfileError, load_profile
     from talaria.contracts.trace import TraceError, read_trace
-    from talaria.node.memory.bump_layout import LayoutError
+    from talaria.memory.bump_layout import LayoutError
     from talaria.sim.report import summary, table, variant
     from talaria.sim.simulation import SimOptions, Simulation, profile_topology
 

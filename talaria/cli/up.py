@@ -33,9 +33,9 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
 
     from talaria.config.errors import ConfigError
     from talaria.config.loader import check_files, default_config_path, load_config
+    from talaria.gateway.gateway import create_app
     from talaria.node.errors import InstanceFailed
     from talaria.node.supervisor import Supervisor
-    from talaria.router.gateway import create_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = config_path or default_config_path()

@@ -41,7 +41,7 @@ from talaria.config.tables import (
     toml_value,
     unknown_key,
 )
-from talaria.models.arch import ModelArch
+from talaria.contracts.arch import ModelArch
 
 MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
 
@@ -301,7 +301,7 @@ def _suggest(need: int) -> str:
 
 
 def _check_cuda(cuda: list[InstanceConfig], probs: Problems, info: list[str]) -> None:
-    from talaria.node.engine.devices import (
+    from talaria.executor.devices import (
         cuda_devices,  # only here: CPU-only configs never import torch
     )
 

@@ -19,7 +19,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import DTYPES, ModelConfig, ServerConfig, SyntheticShape
-from talaria.models.arch import FAMILIES
+from talaria.contracts.arch import FAMILIES
 
 _CHOICES = {(ModelConfig, "dtype"): DTYPES, (SyntheticShape, "family"): FAMILIES}  # str enums
 _MAX = {(ServerConfig, "port"): 65535}

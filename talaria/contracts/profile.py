@@ -25,7 +25,7 @@ import numpy as np
 import tomli_w
 
 PROFILE_SCHEMA = 1
-SWITCH_PATHS = ("full_d2d", "partial", "h2d_only")  # talaria.node.memory.stager.SwitchPath values
+SWITCH_PATHS = ("full_d2d", "partial", "h2d_only")  # talaria.memory.stager.SwitchPath values
 PHASE_NAMES = ("save_teardown", "open_weights", "kv_shell", "runtime", "publish")  # paper App. D
 DEVICES = ("cpu", "cuda")
 

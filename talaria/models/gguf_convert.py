@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from talaria.models.arch import FAMILIES, ModelArch
+from talaria.contracts.arch import FAMILIES, ModelArch
 from talaria.models.errors import ModelSourceError
 from talaria.models.gguf_file import GgufFile
 from talaria.models.gguf_tokenizer import VOCAB_ARRAYS, gguf_tokenizer

@@ -15,7 +15,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from talaria.models.arch import ModelArch
+from talaria.contracts.arch import ModelArch
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -23,8 +23,8 @@ from functools import partial
 from pathlib import Path
 
 from talaria.config.schema import ModelConfig, SyntheticShape
+from talaria.contracts.arch import ModelArch
 from talaria.models import gguf_convert, synthetic
-from talaria.models.arch import ModelArch
 from talaria.models.conversion_cache import (
     ConversionCache,
     default_cache_dir,

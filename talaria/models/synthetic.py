@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from talaria.config.schema import SyntheticShape
-from talaria.models.arch import FAMILIES, ModelArch
+from talaria.contracts.arch import FAMILIES, ModelArch
 from talaria.models.byte_level import byte_level_bpe, bytes_to_unicode
 from talaria.models.errors import ModelSourceError
 from talaria.models.hf_dir import write_hf_dir

@@ -14,12 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from talaria.config.schema import InstanceConfig, TalariaConfig
+from talaria.contracts.arch import ModelArch
 from talaria.contracts.telemetry import InstanceStats
-from talaria.models.arch import ModelArch
 from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.tokenizer import Tokenizer
+from talaria.node.engine_group import EngineGroup
 from talaria.node.event_log import EventLog
-from talaria.node.group import EngineGroup
 
 log = logging.getLogger("talaria.node")
 

@@ -16,18 +16,18 @@ from collections.abc import Callable
 from talaria.config.schema import Ablation, InstanceConfig, Pool
 from talaria.contracts.call import CallOutput, InstanceCall
 from talaria.contracts.profile import PHASE_NAMES, Profile
-from talaria.node.batcher import Batcher
-from talaria.node.cost_model import CostModel
-from talaria.node.memory.bump_layout import BumpLayout
-from talaria.node.memory.host_kv_registry import HostKVRegistry
-from talaria.node.memory.page_manager import PageManager
-from talaria.node.memory.planner import MemoryPlanner, full_h2d
-from talaria.node.memory.rank_ledger import RankLedger
-from talaria.node.memory.stager import Stager
-from talaria.node.memory.switch_record import RankSwitchRecord, SwitchRecord
-from talaria.node.round_scheduler import RoundConfig, RoundScheduler
-from talaria.node.scheduler import Scheduler
-from talaria.node.step_plan import MemoryOps, StepPlan, SwitchPlan
+from talaria.contracts.step_plan import MemoryOps, StepPlan, SwitchPlan
+from talaria.instance.batcher import Batcher
+from talaria.instance.cost_model import CostModel
+from talaria.instance.memory_planner import MemoryPlanner, full_h2d
+from talaria.instance.round_scheduler import RoundConfig, RoundScheduler
+from talaria.instance.scheduler import Scheduler
+from talaria.memory.bump_layout import BumpLayout
+from talaria.memory.host_kv_registry import HostKVRegistry
+from talaria.memory.page_manager import PageManager
+from talaria.memory.rank_ledger import RankLedger
+from talaria.memory.stager import Stager
+from talaria.memory.switch_record import RankSwitchRecord, SwitchRecord
 from talaria.sim.loop import EventLoop
 
 RUNTIME_BYTES = 1 << 30  # per rank at most: attention workspace, graphs; small arenas (CPU) get 1/64 of it

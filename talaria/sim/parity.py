@@ -22,7 +22,7 @@ from talaria.config.schema import InstanceConfig
 from talaria.contracts.call import CallOutput, InstanceCall
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.profile import Profile
-from talaria.node.step_plan import SeqChunk, SwitchPlan
+from talaria.contracts.step_plan import SeqChunk, SwitchPlan
 from talaria.sim.instance import SimInstance
 from talaria.sim.loop import EventLoop, VirtualClock
 

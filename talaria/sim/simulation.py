@@ -25,7 +25,7 @@ from talaria.contracts.call import (
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.profile import Profile
 from talaria.contracts.trace import TraceCall, sessions
-from talaria.router.router import InstanceView, Router, RouteRequest
+from talaria.routing.router import InstanceView, Router, RouteRequest
 from talaria.sim.instance import SimInstance
 from talaria.sim.loop import EventLoop, VirtualClock
 

@@ -16,7 +16,7 @@ from typing import Any
 
 ENDINGS = ("consume", "expire", "discard")
 KEEP_ENDED = 4096  # keys whose last end is remembered, for reconciling older snapshots
-LISTED_MAX = 256  # the router lists at most this many leases (talaria/router/admin.py)
+LISTED_MAX = 256  # the router lists at most this many leases (talaria/gateway/admin.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 The arena split is derived from telemetry: the snapshot's KV page counts, page size, active and
 staged model and staging coverage, and the instance's cost profile (weight bytes and KV bytes per
 token per rank, and `device_bytes`, which is the arena's size on CPU). The layout it mirrors is
-talaria/node/memory/bump_layout.py: weights at the low end, runtime buffers at the high end, the
+talaria/memory/bump_layout.py: weights at the low end, runtime buffers at the high end, the
 KV pool between, and the next model's weights staged in the pool's free tail. On CUDA the profile's
 `device_bytes` is the whole GPU, so the runtime region cannot be told from free memory there.
 

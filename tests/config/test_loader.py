@@ -19,7 +19,7 @@ from talaria.config.loader import (
 )
 from talaria.config.schema import Device, Pool, RouterPolicy, SyntheticShape
 from talaria.config.tables import parse_size
-from talaria.models.arch import ModelArch
+from talaria.contracts.arch import ModelArch
 from talaria.models.synthetic import synthetic_arch
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from talaria.config.schema import ModelConfig, SyntheticShape
-from talaria.models.arch import ModelArch
+from talaria.contracts.arch import ModelArch
 from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.synthetic import byte_tokenizer, synthetic_arch, synthetic_weights
 

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from talaria.node.group import _Frames
+from talaria.node.engine_group import _Frames
 
 
 def test_messages_of_any_size_arrive_whole_and_in_order():

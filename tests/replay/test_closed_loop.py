@@ -22,7 +22,7 @@ from talaria.replay import (
     replay_sync,
 )
 from tests.conftest import free_port
-from tests.router.fakes import MODEL, FakeEchoGroup, serve_over_loopback
+from tests.gateway.fakes import MODEL, FakeEchoGroup, serve_over_loopback
 
 
 @dataclass

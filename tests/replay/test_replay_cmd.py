@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from talaria.cli.main import cli
 from talaria.contracts.trace import TraceCall, write_trace
 from tests.conftest import free_port
-from tests.router.fakes import MODEL, FakeEchoGroup
-from tests.router.fakes import serve_over_loopback as serve
+from tests.gateway.fakes import MODEL, FakeEchoGroup
+from tests.gateway.fakes import serve_over_loopback as serve
 
 SUMMARY_KEYS = {"sessions", "calls", "errors", "wall_s", "sct_sum_s", "sct_p50_s", "sct_p95_s", "ttft_p50_s",
                 "ttft_p95_s"}

@@ -13,7 +13,7 @@ from talaria.config.schema import InstanceConfig, ModelConfig, Pool, TalariaConf
 from talaria.contracts.trace import TraceCall, write_trace
 from talaria.sim.report import summary, variant
 from talaria.sim.simulation import SimOptions, Simulation
-from tests.router.test_router import (
+from tests.routing.test_router import (
     PROFILE,  # models m and n: prefill 1 ms/token, decode 10 ms, H2D open 2 s
 )
 

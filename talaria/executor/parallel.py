@@ -1,0 +1,92 @@
+"""Tensor parallelism over torch.distributed: which shard a rank holds, and the collectives.
+
+Column-parallel linears split output features (q/k/v heads, gate/up rows); row-parallel linears
+split input features and all-reduce their outputs (o_proj, down_proj); the embedding and the LM
+head split the vocabulary. When tp exceeds the KV heads, KV heads are replicated (as vLLM and
+SGLang do): rank r keeps the one KV head its query heads attend to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from talaria.contracts.arch import ModelArch
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    rank: int
+    size: int
+    arch: ModelArch
+
+    @property
+    def heads(self) -> int:
+        return self.arch.num_heads // self.size
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.arch.num_kv_heads // self.size)
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        return self.rank * self.heads, (self.rank + 1) * self.heads
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        if self.size <= self.arch.num_kv_heads:
+            return self.rank * self.kv_heads, (self.rank + 1) * self.kv_heads
+        first = self.rank * self.arch.num_kv_heads // self.size  # replicated: the head our queries use
+        return first, first + 1
+
+    @property
+    def intermediate(self) -> int:
+        return self.arch.intermediate_size // self.size
+
+    @property
+    def vocab(self) -> int:
+        """Rows of the embedding/head per rank; the last rank's tail is zero padding."""
+        return -(-self.arch.vocab_size // self.size)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        start = self.rank * self.vocab
+        return start, min(start + self.vocab, self.arch.vocab_size)
+
+
+class TPGroup:
+    """The collectives the model needs; a group of one does no communication."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's shard along the last dim on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def gather_objects(self, obj: object) -> list | None:
+        """Every rank's `obj` as a list on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast_object(self, obj: object = None) -> object:
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

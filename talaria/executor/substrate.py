@@ -1,0 +1,224 @@
+"""One rank's memory substrate: the bump-laid arena, host weight images, HKVR slabs, staging.
+
+Every model the instance may serve keeps its weights on the host in the byte layout its device
+weights region uses (pinned where CUDA), so opening a model copies byte ranges and rebinds
+parameter views; nothing is rebuilt from the checkpoint. The arena holds one active model: weights
+from offset 0, its page-major KV pool in the gap, per-model runtime state (RoPE tables) anchored
+at the top. Bookkeeping lives in talaria/node/memory (BumpLayout, Stager, HostKVRegistry); this
+class moves the bytes, on every rank alike, as rank 0's plans say.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import pairwise
+
+import torch
+
+from talaria.config.schema import InstanceConfig
+from talaria.contracts.step_plan import MemoryOps
+from talaria.executor.arena import ALIGN, Arena, align_up
+from talaria.executor.kv_cache import KVCache
+from talaria.executor.llama import LlamaModel
+from talaria.executor.parallel import Shard, TPGroup
+from talaria.executor.weights import load_weights, rebind, weights_nbytes
+from talaria.memory.bump_layout import Bases, BumpLayout, LayoutPlan
+from talaria.memory.stager import GatherPlan
+from talaria.memory.switch_record import RankSwitchRecord
+from talaria.models.source import ModelFiles
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _gathers(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, list[int]]]:
+    """(src, dst) pairs as (dst0, srcs) runs of consecutive destinations: one gather per run."""
+    runs: list[tuple[int, list[int]]] = []
+    for src, dst in pairs:
+        if runs and dst == runs[-1][0] + len(runs[-1][1]):
+            runs[-1][1].append(src)
+        else:
+            runs.append((dst, [src]))
+    return runs
+
+
+class ModelImage:
+    """A model's weight shard on the host, byte-identical to its device weights region."""
+
+    def __init__(self, files: ModelFiles, group: TPGroup, page_size: int, pin: bool) -> None:
+        self.files = files
+        self.dtype = DTYPES[files.dtype]
+        self.shard = Shard(group.rank, group.size, files.arch)
+        self.host = Arena(weights_nbytes(self.shard, self.dtype), "cpu", pin=pin)
+        self.weights = load_weights(files.directory, self.shard, self.host, self.dtype)
+        self.nbytes = self.host.used_low
+        self.page_shape = KVCache.page_shape(self.shard, page_size)
+        self.page_bytes = KVCache.page_bytes(self.shard, page_size, self.dtype)
+        self.runtime_bytes = runtime_bytes(files)
+        self.rope_bytes = self.runtime_bytes // 2  # cos, then sin
+
+
+def runtime_bytes(files: ModelFiles) -> int:
+    """A model's share of the arena's runtime region: its RoPE cos and sin tables."""
+    item = torch.tensor([], dtype=DTYPES[files.dtype]).element_size()
+    return 2 * align_up(files.arch.max_position * files.arch.head_dim * item)
+
+
+class Substrate:
+    def __init__(self, instance: InstanceConfig, models: list[ModelFiles], group: TPGroup) -> None:
+        self.instance = instance
+        self.group = group
+        cuda = instance.device.value == "cuda"
+        self.images = {m.name: ModelImage(m, group, instance.page_size, pin=cuda) for m in models}
+        self.arena = Arena(instance.arena_bytes, instance.device.value)
+        # runtime region: each model's RoPE tables at a fixed offset, so they never move
+        runtime = sum(img.runtime_bytes for img in self.images.values())
+        self.layout = BumpLayout(instance.arena_bytes, runtime, ALIGN)
+        self._rope_at: dict[str, int] = {}
+        offset = self.arena.nbytes - runtime
+        for name, img in self.images.items():
+            self.layout.register(name, img.nbytes, img.page_bytes)
+            self._rope_at[name] = offset
+            offset += img.runtime_bytes
+        self.slab_bytes = max(img.page_bytes for img in self.images.values())
+        self.num_slabs = instance.host_kv_bytes // self.slab_bytes
+        self.slabs = Arena(max(1, self.num_slabs) * self.slab_bytes, "cpu", pin=cuda).bytes(
+            0, max(1, self.num_slabs) * self.slab_bytes).view(-1, self.slab_bytes)
+        # D2H saves and staging copies run beside serving, on one core: a second full OpenMP team
+        # would fight the forward's for the same cores (and keeps spinning after it is done)
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy", initializer=torch.set_num_threads,
+                                         initargs=(1,))
+        self._copy_stream = torch.cuda.Stream(self.arena.device) if cuda else None
+        self.poison = instance.debug_poison
+        self.active: str | None = None
+        self.plan: LayoutPlan | None = None
+        self.model: LlamaModel | None = None
+        self.kv: KVCache | None = None
+        self.kv_bytes: torch.Tensor | None = None  # the same pool as raw page rows, for host copies
+        self._models: dict[str, tuple[LlamaModel, Bases]] = {}  # cached runtime state per model
+        self._saves: dict[int, Future] = {}  # ticket -> D2H copy in flight
+        self._staging: Future | None = None
+
+    # ---- memory ops riding on a step -------------------------------------------------------
+
+    def before_step(self, ops: MemoryOps) -> None:
+        if ops.staged and self._staging is not None:
+            self._staging.result()
+            self._staging = None
+        if self.poison and ops.poison:
+            self.kv.data.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), float("nan"))
+        if ops.restores:  # slab -> page; fresh pages are mostly consecutive, slabs anywhere
+            pb = self.kv_bytes.shape[1]
+            if self.kv_bytes.is_cuda:  # pinned host -> device, one DMA per page
+                for slab, page in ops.restores:
+                    self.kv_bytes[page].copy_(self.slabs[slab, :pb], non_blocking=True)
+            else:  # one gather per run straight into the pages: a single pass over the bytes
+                for page, slabs in _gathers(ops.restores):
+                    torch.index_select(self.slabs[:, :pb], 0, torch.tensor(slabs),
+                                       out=self.kv_bytes[page:page + len(slabs)])
+            self._sync()
+        for save in ops.saves:
+            written = self._compute_done()
+            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies, written)
+
+    def _compute_done(self):
+        """CUDA: an event after the work queued so far (the pages' K/V writes); None on CPU."""
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _copy_out(self, kv_bytes: torch.Tensor, copies: tuple[tuple[int, int], ...], written) -> None:
+        """page -> slab; slabs come lowest-first, so mostly one gather per save."""
+        pb = kv_bytes.shape[1]
+        if kv_bytes.is_cuda:  # device -> pinned host on a side stream, once the K/V writes landed
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(written)
+                for page, slab in copies:
+                    self.slabs[slab, :pb].copy_(kv_bytes[page], non_blocking=True)
+            self._copy_stream.synchronize()
+            return
+        for slab, pages in _gathers(copies):
+            torch.index_select(kv_bytes, 0, torch.tensor(pages), out=self.slabs[slab:slab + len(pages), :pb])
+
+    def wait_save(self, ticket: int) -> None:
+        """Block until this rank's D2H copies of the ticket are done (before reporting on it)."""
+        fut = self._saves.pop(ticket, None)
+        if fut is not None:
+            fut.result()
+
+    def save_done(self, ticket: int) -> bool:
+        fut = self._saves.get(ticket)
+        return fut is None or fut.done()
+
+    def start_staging(self, model: str, src: tuple[int, int], dst: tuple[int, int]) -> None:
+        """Copy a chunk of the next model's host image into the KV-pool tail, beside serving."""
+        image = self.images[model]
+
+        def copy() -> None:
+            if self._copy_stream is None:
+                self.arena.bytes(*dst).copy_(image.host.bytes(*src))
+                return
+            with torch.cuda.stream(self._copy_stream):  # pinned host -> device beside the compute stream
+                self.arena.bytes(*dst).copy_(image.host.bytes(*src), non_blocking=True)
+            self._copy_stream.synchronize()
+        self._staging = self.copier.submit(copy)
+
+    def wait_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.result()
+
+    def staging_done(self) -> bool:
+        return self._staging is None or self._staging.done()
+
+    # ---- switching -------------------------------------------------------------------------
+
+    def activate(self, name: str, gather: GatherPlan, teardown: Callable[[], None]) -> RankSwitchRecord:
+        """Switch the arena to `name` in the paper's five timed phases (App. D).
+
+        `teardown` drains the outgoing model's host saves and settles their agreement: it is phase 1.
+        """
+        marks = [time.perf_counter()]
+        outgoing = self.active
+        teardown()  # 1: drain the outgoing D2H, then release its KV region and runtime references
+        self.kv = self.model = None
+        marks.append(time.perf_counter())
+        image = self.images[name]  # 2: open weights: D2D for clean staged chunks, H2D for the rest
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+        for src, dst in gather.d2d:  # invariant: staged sources lie above the new weights, never clobbered
+            self.arena.bytes(dst.start, dst.end).copy_(self.arena.bytes(src.start, src.end))
+        for src, dst in gather.h2d:
+            self.arena.bytes(dst.start, dst.end).copy_(image.host.bytes(src.start, src.end))
+        self._sync()
+        marks.append(time.perf_counter())
+        plan = self.layout.activate(name)  # 3: the KV shell in the gap
+        data = self.arena.view_at(plan.kv.start, (plan.num_pages + 1, *image.page_shape), image.dtype)
+        if self.poison:
+            self.arena.bytes(plan.kv.start, plan.kv.end).view(torch.uint8).fill_(0xFF)  # NaN in any float
+        self.kv = KVCache(data, self.instance.page_size)
+        self.kv_bytes = data.view(plan.num_pages + 1, -1).view(torch.uint8)  # (pages, page bytes)
+        marks.append(time.perf_counter())
+        bases = self.layout.bases(name)  # 4: runtime state, rebuilt only if its addresses moved
+        cached = self._models.get(name)
+        rebuilt = cached is not None and (cached[1].weights, cached[1].runtime) != (bases.weights, bases.runtime)
+        if cached is None or rebuilt:
+            weights = rebind(image.weights, image.host, self.arena)
+            arch, at = image.files.arch, self._rope_at[name]
+            rope = tuple(self.arena.view_at(at + i * image.rope_bytes, (arch.max_position, arch.head_dim), image.dtype)
+                         for i in range(2))
+            cached = (LlamaModel(arch, image.shard, weights, self.group, image.dtype, rope), bases)
+            self._models[name] = cached
+        marks.append(time.perf_counter())
+        self.model, self.active, self.plan = cached[0], name, plan  # 5: publish
+        marks.append(time.perf_counter())
+        phases = tuple((b - a) * 1e3 for a, b in pairwise(marks))
+        return RankSwitchRecord(self.group.rank, outgoing, name, gather.path, phases, gather.staged_bytes,
+                                gather.dirty_bytes, gather.total_bytes, rebuilt_runtime=rebuilt)
+
+    def _sync(self) -> None:
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)

@@ -1,0 +1,464 @@
+"""The cold-pool round scheduler with session-prefill (paper §3.4, Eq. (3)-(5), Fig. 4).
+
+Time on a cold instance is organised in rounds. A round gives each model with work one slot, in
+the order the slot-order policy picks, and models switch only at slot boundaries. A slot runs
+
+    P -> D1 -> (SP -> D)* -> Dfin
+
+P prefills the work that was queued when the slot opened; D steps decode every running sequence of
+the model; at each decode boundary an SP step may prefill a bounded batch of *continuations* that
+arrived after P (a session served here before, whose prefix is device-resident or restorable from
+the host KV registry). New sessions never bypass P. Dfin is the decode after the post-protected
+budget is spent.
+
+Budgets come from predicted costs (a CostModel over a profile) and the injected clock:
+- the round is bounded by R <= gamma * ttft_s (Eq. (5)); the slot-length policy splits what the
+  predicted switches leave;
+- decode share (Eq. (4)): d_m (T_tpot - t_D) >= U_m with U_m = R - d_m t_D reduces to
+  d_m >= R / T_tpot decode iterations per round, reserved before P and SP get budget;
+- P and SP get only what is left after the protected decode; each chunk is sized to fit, so a long
+  prompt advances chunk by chunk across opportunities. A call whose restore plus smallest chunk
+  does not fit waits (it is parked, and an event says so).
+Shortfalls are counted in `deadline_risk` and reported, never hidden by rolling work forward.
+
+Every step is of one phase; the scheduler records per phase and per round how long it took, and
+emits `slot_phase`, `sp_admit`, `sp_park` and `round` events. The same object runs under the live
+engine and the simulator: it sees time only through the clock and costs only through the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import count
+
+from talaria.config.schema import SlotLength, SlotOrder
+from talaria.contracts.events import EventKind
+from talaria.contracts.step_plan import SeqChunk
+from talaria.instance.batcher import Batcher
+from talaria.instance.cost_model import CostModel
+from talaria.instance.sequence import SeqStatus, Sequence
+from talaria.instance.slot_policy import SLOT_LENGTHS, SLOT_ORDERS
+
+ROUNDS_KEPT = 8  # round summaries kept for telemetry
+
+
+class Phase(str, Enum):
+    P = "P"  # queued prefill admitted when the slot opened
+    D1 = "D1"  # decode before the first SP opportunity is taken
+    SP = "SP"  # session-prefill: continuations admitted mid-slot
+    D = "D"  # decode after an SP step
+    DFIN = "Dfin"  # decode once the budget after protected decode is spent
+
+
+DECODE_PHASES = (Phase.D1, Phase.D, Phase.DFIN)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    ttft_s: float  # TTFT target; rounds are bounded by gamma * ttft_s
+    tpot_s: float  # average time-per-output-token target (decode share)
+    gamma: float  # < 1
+    sp: bool = True  # session-prefill on (the "sp" ablation turns it off)
+    order: SlotOrder = SlotOrder.ROUND_ROBIN
+    length: SlotLength = SlotLength.DEMAND
+    max_batch_tokens: int = 512  # tokens per engine step
+    min_chunk_tokens: int = 0  # smallest P/SP chunk worth a step; 0 = max(page, max_batch_tokens / 4)
+
+    @property
+    def round_s(self) -> float:
+        return self.gamma * self.ttft_s
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Run these chunks of the active model as one engine step of `phase`."""
+
+    phase: Phase
+    chunks: tuple[SeqChunk, ...]
+    predicted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """Open `model` before its slot starts."""
+
+    model: str
+    path: str  # the load path expected ("full_d2d", "partial", "h2d_only")
+    predicted_s: float
+
+
+@dataclass(slots=True)
+class Slot:
+    model: str
+    budget_s: float  # L_m, predicted seconds
+    protected: int  # d_m: decode iterations reserved before P and SP get budget
+    start: float | None = None  # when P began (after the switch, if any)
+    p_set: set[int] = field(default_factory=set)  # sequences queued when P began: only P admits them
+    sp_set: set[int] = field(default_factory=set)  # sequences admitted by SP in this slot
+    parked: set[int] = field(default_factory=set)  # continuations that got a park event in this slot
+    phase: Phase = Phase.P
+    last: Phase | None = None  # the phase of the last step
+    steps: int = 0
+    decode_steps: int = 0
+    opportunities: int = 0  # SP steps taken
+    short: bool = False  # P ended with queued work left (counted once per slot)
+    seg_start: float = 0.0  # the current phase segment: first step's time, steps, tokens
+    seg_steps: int = 0
+    seg_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Round:
+    number: int
+    start: float
+    queue: list[str]  # models whose slot is still to come, next first
+    budgets: dict[str, float]
+    protected: dict[str, int]
+    time: Counter = field(default_factory=Counter)  # seconds by "P", "D", "SP", "switch"
+    sp_admitted: int = 0
+    sp_parked: int = 0
+    slots: list[dict] = field(default_factory=list)
+
+
+class RoundScheduler:
+    def __init__(self, batchers: dict[str, Batcher], costs: CostModel, clock: Callable[[], float],
+                 config: RoundConfig, emit: Callable[..., None], switch_path: Callable[[str], str],
+                 known_session: Callable[[str], bool], page_size: int) -> None:
+        self.batchers = batchers
+        self.costs = costs
+        self.clock = clock
+        self.config = config
+        self._emit = emit  # emit(kind, **data)
+        self._switch_path = switch_path  # the load path a switch to this model would take now
+        self._known = known_session  # a session this instance has served (continuations only)
+        self.page_size = page_size
+        # the smallest prefill chunk worth a step: a forward's fixed cost makes tiny chunks waste the slot
+        self.min_chunk = config.min_chunk_tokens or max(page_size, config.max_batch_tokens // 4)
+        self._order = list(batchers)
+        self._numbers = count(1)
+        self.round: Round | None = None
+        self.slot: Slot | None = None
+        self._pending: tuple[str, Phase | None, float, float] | None = None  # (model, phase, predicted, t0)
+        self._last_path = "h2d_only"  # of the switch in flight
+        self.deadline_risk: Counter = Counter()
+        self.summaries: deque[dict] = deque(maxlen=ROUNDS_KEPT)
+        self.sp_admitted = 0
+        self.sp_parked = 0
+
+    # ---- the public verb ---------------------------------------------------------------------
+
+    def next(self, active: str | None) -> Step | Switch | None:
+        """What the instance runs next: a switch, a step of the active model, or None (idle)."""
+        now = self.clock()
+        for _ in range(2 * len(self._order) + 2):  # slots may close and open within one call
+            if self.slot is None and not self._open_slot(now, active):
+                return None
+            decision = self._in_slot(self.slot, now, active)
+            if decision is not None:
+                return decision
+            self._close_slot(now)
+        return None
+
+    def committed(self, step_s: float | None = None) -> None:
+        """The step or switch `next` returned has run; charge its time to the round."""
+        if self._pending is None:
+            return
+        model, phase, predicted, t0 = self._pending
+        self._pending = None
+        took = self.clock() - t0
+        if phase is None:
+            self.round.time["switch"] += took
+            self.costs.observe(model, f"switch:{self._last_path}", predicted, took)
+            return
+        self.round.time["SP" if phase is Phase.SP else "P" if phase is Phase.P else "D"] += took
+        self.costs.observe(model, "decode" if phase in DECODE_PHASES else "prefill", predicted, took)
+
+    def interrupt(self) -> None:
+        """A forced switch: close the slot and the round here; the next round starts afresh."""
+        now = self.clock()
+        if self.slot is not None:
+            self._close_slot(now, keep_round=False)
+        elif self.round is not None:
+            self._close_round(now)
+
+    @property
+    def in_flight(self) -> tuple[str, float] | None:
+        """(phase or "switch", predicted seconds) of what `next` returned and has not been committed."""
+        if self._pending is None:
+            return None
+        _, phase, predicted, _ = self._pending
+        return ("switch" if phase is None else phase.value), predicted
+
+    # ---- rounds and slots --------------------------------------------------------------------
+
+    def _open_slot(self, now: float, active: str | None) -> bool:
+        if self.round is None:
+            self._open_round(now, active)
+            if self.round is None:
+                return False
+        while self.round.queue:
+            model = self.round.queue.pop(0)
+            if self.batchers[model].has_work:  # work can vanish (cancelled) before its slot comes
+                self.slot = Slot(model, self.round.budgets[model], self.round.protected[model])
+                return True
+        self._close_round(now)
+        return self._open_slot(now, active) if any(b.has_work for b in self.batchers.values()) else False
+
+    def _open_round(self, now: float, active: str | None) -> None:
+        with_work = [m for m in self._order if self.batchers[m].has_work]
+        if not with_work:
+            return
+        cfg = self.config
+        protected, demand = {}, {}
+        for m in with_work:
+            t_d = self._decode_step_s(m)
+            if cfg.tpot_s <= t_d:
+                self.deadline_risk["tpot_infeasible"] += 1  # Eq. (4) cannot hold for this profile
+            protected[m] = math.ceil(cfg.round_s / cfg.tpot_s)
+            b = self.batchers[m]
+            demand[m] = protected[m] * t_d + sum(self.costs.prefill_s(m, s.num_uncomputed) for s in b.waiting)
+        queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
+        switch_s, prev = 0.0, active
+        for m in queue:
+            if m != prev:
+                switch_s += self.costs.switch_s(m, self._switch_path(m) if prev == active else "h2d_only")
+            prev = m
+        available = cfg.round_s - switch_s
+        if available <= 0:
+            self.deadline_risk["round_infeasible"] += 1  # switches alone exceed gamma * ttft_s
+            available = 0.0
+        budgets = SLOT_LENGTHS[cfg.length](available, {m: demand[m] for m in queue})
+        for m in queue:
+            if protected[m] * self._decode_step_s(m) > budgets[m] and self.batchers[m].running:
+                self.deadline_risk["decode_share"] += 1  # the reserved decode does not fit the slot
+        self.round = Round(next(self._numbers), now, queue, budgets, protected)
+
+    def _close_round(self, now: float) -> None:
+        r, self.round = self.round, None
+        if not r.slots and not r.time["switch"]:
+            self._numbers = count(r.number)  # nothing ran (work blocked on KV): no round to report
+            return
+        wall = now - r.start
+        if wall > self.config.round_s * (1 + 1e-9):
+            self.deadline_risk["round_over"] += 1
+        summary = {"round": r.number, "start": r.start, "wall_s": wall, "active_s": wall - r.time["switch"],
+                   "switch_s": float(r.time["switch"]), "p_s": float(r.time["P"]), "d_s": float(r.time["D"]),
+                   "sp_s": float(r.time["SP"]),
+                   "sp_admitted": r.sp_admitted, "sp_parked": r.sp_parked, "slots": r.slots}
+        self.summaries.append(summary)
+        self._emit(EventKind.ROUND, **summary)
+
+    def _close_slot(self, now: float, keep_round: bool = True) -> None:
+        s, self.slot = self.slot, None
+        if s.start is not None and s.steps:
+            self._end_segment(s, now)
+            b = self.batchers[s.model]
+            for seq in b.waiting:  # continuations that came back during the slot and never fitted
+                if seq.seq_id not in s.parked and self._eligible(s, b, seq):
+                    self._park(s, seq, "slot-closed" if self.config.sp else "sp-off")
+            self.round.slots.append({"model": s.model, "budget_s": s.budget_s, "used_s": now - s.start,
+                                     "protected": s.protected, "decode_steps": s.decode_steps,
+                                     "sp_opportunities": s.opportunities})
+        if not keep_round or not self.round.queue:
+            self._close_round(now)
+
+    # ---- inside a slot -----------------------------------------------------------------------
+
+    def _in_slot(self, s: Slot, now: float, active: str | None) -> Step | Switch | None:
+        b = self.batchers[s.model]
+        if s.model != active:
+            self._last_path = path = self._switch_path(s.model)
+            predicted = self.costs.switch_s(s.model, path)
+            self._pending = (s.model, None, predicted, now)
+            return Switch(s.model, path, predicted)
+        if s.start is None:  # P begins: what is queued now, and prompts left half-done, are P's
+            s.start = s.seg_start = now
+            s.p_set = {seq.seq_id for seq in b.waiting} | {seq.seq_id for seq in b.running if seq.is_prefilling}
+        owed = s.decode_steps < s.protected and bool(b.decoding)  # Eq. (4): reserved decode comes first
+        # Without a host KV registry, closing the slot throws away every running sequence's KV: a call
+        # longer than a slot would restart at every slot and never finish. Such a slot runs its running
+        # sequences to completion (admitting nothing new past its budget) and reports the overrun.
+        stranded = b.host is None and bool(b.running)
+        if s.steps and now - s.start >= s.budget_s and not owed and not stranded:
+            return None
+        if s.phase is Phase.P:
+            step = self._prefill(s, b, now, Phase.P)
+            if step is not None:
+                return step
+            if not s.short and any(seq.seq_id in s.p_set for seq in b.waiting):
+                s.short = True
+                self.deadline_risk["prefill_shortfall"] += 1  # queued work left for the next slot
+        if self.config.sp and (s.last in DECODE_PHASES or not b.decoding):  # a decode boundary
+            step = self._prefill(s, b, now, Phase.SP)
+            if step is not None:
+                return step
+        elif not self.config.sp:
+            for seq in b.waiting:
+                if seq.seq_id not in s.parked and self._eligible(s, b, seq):
+                    self._park(s, seq, "sp-off")
+        decoders = b.decoding
+        if not decoders:
+            return None
+        predicted = self.costs.decode_s(s.model, len(decoders), sum(len(q.token_ids) for q in decoders))
+        if s.steps and now - s.start + predicted > s.budget_s and not owed and not stranded:
+            return None  # the next decode would overrun the slot: the round bound wins over the rest
+        final = self._left(s, b, now) < self.costs.prefill_s(s.model, self.min_chunk)  # no prefill fits any more
+        phase = Phase.DFIN if final else Phase.D if s.opportunities else Phase.D1
+        chunks = b.decode_chunks(self.config.max_batch_tokens)
+        if not chunks:
+            return None
+        s.decode_steps += 1
+        return self._step(s, now, phase, chunks, predicted)
+
+    def _left(self, s: Slot, b: Batcher, now: float) -> float:
+        """Budget left for P and SP once the remaining protected decode is set aside."""
+        decoders = b.decoding
+        will_decode = decoders or any(seq.seq_id in s.p_set for seq in b.running + list(b.waiting))
+        remaining = max(0, s.protected - s.decode_steps)
+        reserve = remaining * self._decode_step_s(s.model, max(1, len(decoders))) if will_decode else 0.0
+        return s.budget_s - (now - s.start) - reserve
+
+    def _prefill(self, s: Slot, b: Batcher, now: float, phase: Phase) -> Step | None:
+        """The P step, or the SP batch at this opportunity: chunks that fit the budget left."""
+        mine = s.p_set if phase is Phase.P else s.sp_set
+        started = [q for q in b.running if q.seq_id in mine and q.is_prefilling]
+        if phase is Phase.P:
+            queued = [q for q in b.waiting if q.seq_id in s.p_set]
+        else:
+            queued = [q for q in b.waiting if self._eligible(s, b, q)]
+        if not started and not queued:
+            return None  # the common case at a decode boundary: nothing to prefill, no budget to work out
+        left, tokens = self._left(s, b, now), self.config.max_batch_tokens
+        chunks: list[SeqChunk] = []
+        joined: list[Sequence] = []  # admitted by SP at this opportunity
+        cost = 0.0
+        for seq in started + queued:
+            if tokens <= 0:
+                break
+            admitted = seq.status is SeqStatus.RUNNING
+            # a started prompt with nowhere to save its KV finishes here, budget or not (see _in_slot)
+            budget = math.inf if admitted and b.host is None else left - cost
+            n, c = self._fit(s.model, b, seq, budget, tokens)
+            if n == 0 and phase is Phase.P and s.seg_steps == 0 and s.phase is Phase.P and not chunks:
+                n, c = self._fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
+                self.deadline_risk["prefill_over_budget"] += 1
+            if n == 0:
+                if phase is Phase.SP and not admitted:
+                    self._park(s, seq, "budget")
+                break
+            if not admitted:
+                if not b.admit(seq, now):
+                    if phase is Phase.SP:
+                        self._park(s, seq, "kv")
+                    break
+                n = min(n, seq.num_uncomputed)
+            chunks.append(b.chunk(seq, n, admitted=not admitted))
+            cost += c
+            tokens -= n
+            if phase is Phase.SP and not admitted:
+                mine.add(seq.seq_id)
+                joined.append(seq)
+        if not chunks:
+            return None
+        if phase is Phase.SP:
+            s.opportunities += 1
+        step = self._step(s, now, phase, chunks, cost)  # ends the decode segment before the admissions
+        for seq in joined:
+            self._admitted(s, seq)
+        return step
+
+    def _fit(self, model: str, b: Batcher, seq: Sequence, budget: float, tokens: int) -> tuple[int, float]:
+        """The most prompt tokens of `seq` (at most `tokens`) whose prefill, plus its restore when it
+        is not admitted yet, fits `budget`; 0 when not even the smallest chunk does."""
+        if seq.status is SeqStatus.RUNNING:
+            cached, restore, todo = seq.num_computed, 0.0, seq.num_uncomputed
+        else:
+            on_device, on_host = b.reusable(seq)
+            cached = (on_device + on_host) * self.page_size
+            restore = self.costs.restore_s(model, on_host * self.page_size)
+            todo = len(seq.token_ids) - cached
+        hi = min(todo, tokens)
+        lo = min(hi, self.min_chunk)
+
+        def cost(n: int) -> float:
+            return restore + self.costs.prefill_s(model, n, cached)
+
+        if lo <= 0 or cost(lo) > budget:
+            return 0, 0.0
+        while lo < hi:  # the largest n in [lo, hi] with cost(n) <= budget (cost grows with n)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+        return lo, cost(lo)
+
+    def _eligible(self, s: Slot, b: Batcher, seq: Sequence) -> bool:
+        """SP-eligible: a continuation of a session served here, arrived after P, with its prefix on
+        this instance (device-resident or host-restorable)."""
+        if seq.seq_id in s.p_set or seq.admitted_once or seq.call.session_id is None:
+            return False
+        return self._known(seq.call.session_id) and any(b.reusable(seq))
+
+    def _step(self, s: Slot, now: float, phase: Phase, chunks: list[SeqChunk], predicted: float) -> Step:
+        if phase is not s.phase:
+            self._end_segment(s, now)
+            s.phase, s.seg_start = phase, now
+        s.seg_steps += 1
+        s.seg_tokens += sum(len(c.token_ids) for c in chunks)
+        s.steps += 1
+        s.last = phase
+        self._pending = (s.model, phase, predicted, now)
+        return Step(phase, tuple(chunks), predicted)
+
+    def _end_segment(self, s: Slot, now: float) -> None:
+        if s.seg_steps:
+            self._emit(EventKind.SLOT_PHASE, model=s.model, phase=s.phase.value, round=self.round.number,
+                       start=s.seg_start, duration_s=now - s.seg_start, steps=s.seg_steps, tokens=s.seg_tokens)
+        s.seg_start, s.seg_steps, s.seg_tokens = now, 0, 0
+
+    def _admitted(self, s: Slot, seq: Sequence) -> None:
+        self.sp_admitted += 1
+        self.round.sp_admitted += 1
+        self._emit(EventKind.SP_ADMIT, model=s.model, session=seq.call.session_id, request=seq.call.request_id,
+                   tokens=len(seq.token_ids), cached_tokens=seq.num_cached, restored_tokens=seq.num_restored,
+                   round=self.round.number, opportunity=s.opportunities)
+
+    def _park(self, s: Slot, seq: Sequence, reason: str) -> None:
+        if seq.seq_id in s.parked:
+            return
+        s.parked.add(seq.seq_id)
+        self.sp_parked += 1
+        self.round.sp_parked += 1
+        self._emit(EventKind.SP_PARK, model=s.model, session=seq.call.session_id, request=seq.call.request_id,
+                   reason=reason, round=self.round.number)
+
+    def _decode_step_s(self, model: str, batch: int | None = None) -> float:
+        b = self.batchers[model]
+        if batch is None:
+            batch = max(1, len(b.running) + len(b.waiting))
+        return self.costs.decode_s(model, batch, 0)
+
+    # ---- telemetry ---------------------------------------------------------------------------
+
+    def telemetry(self) -> dict:
+        now, s, r = self.clock(), self.slot, self.round
+        remaining = 0.0
+        if r is not None:
+            remaining = sum(r.budgets[m] for m in r.queue)
+            if s is not None:
+                remaining += max(0.0, s.budget_s - (now - s.start if s.start is not None else 0.0))
+        return {
+            "round": r.number if r else None,
+            "round_remaining_s": remaining,
+            "slot": None if s is None else {"model": s.model, "phase": s.phase.value, "budget_s": s.budget_s,
+                                            "elapsed_s": now - s.start if s.start is not None else 0.0,
+                                            "protected": s.protected, "decode_steps": s.decode_steps,
+                                            "sp_opportunities": s.opportunities},
+            "deadline_risk": dict(self.deadline_risk),
+            "sp_admitted": self.sp_admitted,
+            "sp_parked": self.sp_parked,
+            "rounds": list(self.summaries),
+            "cost_scale": self.costs.telemetry(),
+        }

@@ -1,0 +1,108 @@
+"""Sampler on toy logits: greedy cases, per-request seeded streams, and the shape of the draws."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from talaria.contracts.call import SamplingParams
+from talaria.executor.sampler import Sampler
+
+V = 8
+FLAT = torch.zeros(V)  # uniform: every draw is informative about the random stream
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
+
+
+def draws(sampler: Sampler, request_id: str, params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
+    return [sampler.sample(logits[None], [(request_id, params)])[0] for _ in range(n)]
+
+
+def chi_square(counts: Counter, probs: torch.Tensor, n: int) -> float:
+    return sum((counts[i] - n * float(p)) ** 2 / (n * float(p)) for i, p in enumerate(probs))
+
+
+def test_greedy_is_argmax_of_every_row():
+    logits = random_logits(6)
+    params = SamplingParams(temperature=0.0)
+    out = Sampler().sample(logits, [(f"r{i}", params) for i in range(6)])
+    assert out == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_is_greedy_whatever_the_temperature():
+    logits = random_logits(6, seed=1)
+    sampler = Sampler()
+    for temperature in (0.5, 1.0, 10.0):
+        params = SamplingParams(temperature=temperature, top_k=1, seed=3)
+        for _ in range(5):
+            assert sampler.sample(logits, [(f"r{i}", params) for i in range(6)]) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_very_small_top_p_is_greedy():
+    logits = random_logits(1, seed=2)[0]
+    params = SamplingParams(temperature=1.0, top_p=1e-6, seed=4)
+    assert draws(Sampler(), "r", params, logits, 200) == [int(logits.argmax())] * 200
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
+    x = SamplingParams(seed=7)
+    alone = draws(Sampler(), "x", x, FLAT, 20)
+
+    sampler = Sampler(seed=99)
+    other_logits = random_logits(2, seed=5)
+    shared = []
+    for i in range(20):
+        others = [("y", SamplingParams(seed=3)), (f"z{i}", SamplingParams())]  # a new unseeded call each step
+        rows = [("x", x)] + others if i % 2 else others + [("x", x)]
+        logits = torch.stack([FLAT if rid == "x" else other_logits[j % 2] for j, (rid, _) in enumerate(rows)])
+        out = sampler.sample(logits, rows)
+        shared.append(out[[rid for rid, _ in rows].index("x")])
+        if i % 3 == 0:  # a batch without x, with another request seeded like x
+            sampler.sample(other_logits, [("w", SamplingParams(seed=7)), ("v", SamplingParams())])
+    assert shared == alone
+
+
+def test_different_seeds_give_different_draws():
+    a = draws(Sampler(), "r", SamplingParams(seed=1), FLAT, 50)
+    b = draws(Sampler(), "r", SamplingParams(seed=2), FLAT, 50)
+    assert a != b
+    assert len(set(a)) > 1
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    n = 4000
+    for temperature in (1.0, 2.0):
+        params = SamplingParams(temperature=temperature, seed=11)
+        counts = Counter(draws(Sampler(), "r", params, logits, n))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        # chi-square with 2 degrees of freedom: 13.8 is its 99.9 % quantile
+        assert chi_square(counts, probs, n) < 13.8, (temperature, counts)
+        # and the temperature matters: the other temperature's softmax is rejected
+        other = torch.softmax(logits / (3.0 - temperature), dim=-1)
+        assert chi_square(counts, other, n) > 100, (temperature, counts)
+
+
+def test_top_k_never_draws_outside_the_top_k():
+    logits = torch.tensor([3.0, 0.0, 2.9, -1.0, 2.8, 0.5])
+    counts = Counter(draws(Sampler(), "r", SamplingParams(temperature=1.0, top_k=2, seed=5), logits, 2000))
+    assert set(counts) == {0, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_its_mass():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    counts = Counter(draws(Sampler(), "r", SamplingParams(top_p=0.7, seed=6), logits, 2000))
+    assert set(counts) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+
+
+def test_forget_resets_a_requests_stream():
+    sampler = Sampler()
+    params = SamplingParams(seed=8)
+    first = draws(sampler, "r", params, FLAT, 20)
+    continued = draws(sampler, "r", params, FLAT, 20)
+    assert continued != first  # without forget, the stream goes on
+    sampler.forget("r")
+    assert draws(sampler, "r", params, FLAT, 20) == first

@@ -1,0 +1,188 @@
+"""parse_request: valid bodies become the right ParsedRequest; each invalid one a 400 naming the field."""
+
+import pytest
+
+from talaria.gateway.errors import APIError
+from talaria.gateway.openai_protocol import DEFAULT_MAX_TOKENS, Endpoint, parse_request
+
+from .fakes import EOS_ID, MODEL, FakeEchoSupervisor
+
+CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return FakeEchoSupervisor(max_position=64)
+
+
+def chat(**extra):
+    return {"model": MODEL, "messages": MSGS, **extra}
+
+
+def completion(**extra):
+    return {"model": MODEL, "prompt": "hello", **extra}
+
+
+def test_chat_uses_the_chat_template_and_defaults(catalog):
+    p = parse_request(CHAT, chat(), catalog)
+    tok = catalog.tokenizer(MODEL)
+    assert p.prompt_token_ids == tuple(tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
+    assert p.sampling.temperature == 1.0 and p.sampling.top_p == 1.0 and p.sampling.top_k == 0
+    assert p.sampling.stop_token_ids == (EOS_ID,)  # the tokenizer's EOS set
+    assert not p.stream and not p.include_usage and p.stop == () and p.session_id is None
+    # default max_tokens: remaining context (64 - 52 prompt tokens) capped at the chat default
+    assert len(p.prompt_token_ids) == 52
+    assert p.sampling.max_tokens == min(64 - len(p.prompt_token_ids), DEFAULT_MAX_TOKENS[CHAT])
+
+
+def test_completion_accepts_string_token_ids_and_singleton_batches(catalog):
+    assert parse_request(COMPLETIONS, completion(), catalog).prompt_token_ids == tuple(b"hello")
+    ids = [104, 105]
+    assert parse_request(COMPLETIONS, completion(prompt=ids), catalog).prompt_token_ids == (104, 105)
+    assert parse_request(COMPLETIONS, completion(prompt=[ids]), catalog).prompt_token_ids == (104, 105)
+    assert parse_request(COMPLETIONS, completion(prompt=["hi"]), catalog).prompt_token_ids == (104, 105)
+    p = parse_request(COMPLETIONS, completion(), catalog)
+    assert p.sampling.max_tokens == DEFAULT_MAX_TOKENS[COMPLETIONS]
+
+
+def test_all_options_parsed(catalog):
+    p = parse_request(CHAT, chat(stream=True, stream_options={"include_usage": True}, stop=["a", "b"],
+                                 seed=7, temperature=0, top_p=0.5, top_k=40, ignore_eos=True,
+                                 max_completion_tokens=9, session_id="s-1", stop_token_ids=[5]), catalog)
+    s = p.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (9, 0.0, 0.5, 40, 7, True)
+    assert s.stop_token_ids == (5,)  # ignore_eos: the tokenizer's EOS is not added
+    assert p.stream and p.include_usage and p.stop == ("a", "b") and p.session_id == "s-1"
+
+
+def test_content_parts_developer_role_and_single_stop_string(catalog):
+    body = chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "be "},
+                                                              {"type": "text", "text": "brief"}]}], stop="\n")
+    p = parse_request(CHAT, body, catalog)
+    text = catalog.tokenizer(MODEL).decode(list(p.prompt_token_ids))
+    assert text.startswith("<|im_start|>system\nbe \nbrief<|im_end|>") and p.stop == ("\n",)
+
+
+def test_tools_reach_the_chat_template(catalog):
+    class RecordingTokenizer:
+        eos_token_ids = (EOS_ID,)
+
+        def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+            self.seen = (messages, add_generation_prompt, tools)
+            return [1, 2, 3]
+
+    class Catalog:
+        tok = RecordingTokenizer()
+
+        def model_names(self):
+            return [MODEL]
+
+        def tokenizer(self, model):
+            return self.tok
+
+        def arch(self, model):
+            return catalog.arch(model)
+
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    cat = Catalog()
+    p = parse_request(CHAT, chat(tools=tools), cat)
+    assert p.prompt_token_ids == (1, 2, 3) and cat.tok.seen == (MSGS, True, tools)
+    parse_request(CHAT, chat(tools=tools, tool_choice="none"), cat)
+    assert cat.tok.seen[2] is None  # "none": the model is not told about tools
+
+
+def test_session_id_body_wins_over_header(catalog):
+    assert parse_request(CHAT, chat(), catalog, header_session_id="h").session_id == "h"
+    assert parse_request(CHAT, chat(session_id="b"), catalog, header_session_id="h").session_id == "b"
+
+
+def test_top_k_minus_one_means_disabled(catalog):
+    assert parse_request(CHAT, chat(top_k=-1), catalog).sampling.top_k == 0
+
+
+def test_max_tokens_exactly_filling_the_context_is_accepted(catalog):
+    n = len(parse_request(COMPLETIONS, completion(), catalog).prompt_token_ids)
+    assert parse_request(COMPLETIONS, completion(max_tokens=64 - n), catalog).sampling.max_tokens == 64 - n
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, status, param, code",
+    [
+        (CHAT, [], 400, None, None),
+        (CHAT, {"messages": MSGS}, 400, "model", None),
+        (CHAT, {"model": 3, "messages": MSGS}, 400, "model", None),
+        (CHAT, chat(model="nope"), 404, "model", "model_not_found"),
+        (CHAT, chat(messages=[]), 400, "messages", None),
+        (CHAT, chat(messages="hi"), 400, "messages", None),
+        (CHAT, chat(messages=["hi"]), 400, "messages[0]", None),
+        (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
+        (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
+        (CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0].content", None),
+        (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+         400, "messages[0].content[0]", None),
+        (CHAT, chat(messages=[{"role": "assistant", "content": "x"}]), 400, "messages", None),  # template error
+        (CHAT, chat(max_tokens=0), 400, "max_tokens", None),
+        (CHAT, chat(max_tokens=-3), 400, "max_tokens", None),
+        (CHAT, chat(max_tokens=2.0), 400, "max_tokens", None),
+        (CHAT, chat(max_tokens=True), 400, "max_tokens", None),
+        (CHAT, chat(max_tokens="5"), 400, "max_tokens", None),
+        (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
+        (CHAT, chat(temperature=2.5), 400, "temperature", None),
+        (CHAT, chat(temperature=-0.1), 400, "temperature", None),
+        (CHAT, chat(temperature="hot"), 400, "temperature", None),
+        (CHAT, chat(temperature=True), 400, "temperature", None),
+        (CHAT, chat(top_p=0), 400, "top_p", None),
+        (CHAT, chat(top_p=1.01), 400, "top_p", None),
+        (CHAT, chat(top_k=-2), 400, "top_k", None),
+        (CHAT, chat(top_k=1.5), 400, "top_k", None),
+        (CHAT, chat(seed="1"), 400, "seed", None),
+        (CHAT, chat(seed=False), 400, "seed", None),
+        (CHAT, chat(n=2), 400, "n", None),
+        (CHAT, chat(n=0), 400, "n", None),
+        (CHAT, chat(stream="yes"), 400, "stream", None),
+        (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options", None),
+        (CHAT, chat(stream=True, stream_options=[]), 400, "stream_options", None),
+        (CHAT, chat(stream=True, stream_options={"include_usage": 1}), 400, "stream_options.include_usage", None),
+        (CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+        (CHAT, chat(stop=[""]), 400, "stop", None),
+        (CHAT, chat(stop=5), 400, "stop", None),
+        (CHAT, chat(stop=["a", 1]), 400, "stop", None),
+        (CHAT, chat(ignore_eos="no"), 400, "ignore_eos", None),
+        (CHAT, chat(session_id=""), 400, "session_id", None),
+        (CHAT, chat(session_id="x" * 300), 400, "session_id", None),
+        (CHAT, chat(stop_token_ids=[999]), 400, "stop_token_ids", None),
+        (CHAT, chat(logprobs=True), 400, "logprobs", None),
+        (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", None),
+        (CHAT, chat(frequency_penalty=9), 400, "frequency_penalty", None),
+        (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias", None),
+        (CHAT, chat(tools={"type": "function"}), 400, "tools", None),
+        (CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, "tools[0]", None),
+        (CHAT, chat(tools=[{"type": "retrieval"}]), 400, "tools[0]", None),
+        (CHAT, chat(tool_choice="required"), 400, "tool_choice", None),
+        (CHAT, chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice", None),
+        (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", None),
+        (CHAT, chat(messages=[{"role": "user", "content": "x" * 70}]), 400, "messages", "context_length_exceeded"),
+        (CHAT, chat(max_tokens=60), 400, "max_tokens", "context_length_exceeded"),
+        (COMPLETIONS, completion(prompt=None), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=""), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=[]), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=[1, "a"]), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=[1, 259]), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=[-1]), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=[True]), 400, "prompt", None),
+        (COMPLETIONS, completion(prompt=[1] * 64), 400, "prompt", "context_length_exceeded"),
+        (COMPLETIONS, completion(max_tokens=60), 400, "max_tokens", "context_length_exceeded"),
+        (COMPLETIONS, completion(echo=True), 400, "echo", None),
+        (COMPLETIONS, completion(best_of=3), 400, "best_of", None),
+        (COMPLETIONS, completion(suffix="x"), 400, "suffix", None),
+        (COMPLETIONS, completion(logprobs=2), 400, "logprobs", None),
+    ],
+)
+def test_invalid_requests(catalog, endpoint, body, status, param, code):
+    with pytest.raises(APIError) as info:
+        parse_request(endpoint, body, catalog)
+    err = info.value
+    assert (err.status, err.param, err.code) == (status, param, code), err.message
+    assert err.body()["error"]["param"] == param and err.body()["error"]["message"] == err.message
