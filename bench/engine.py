@@ -14,7 +14,7 @@ every concurrent request, so HF needs no padding). Per run it measures:
 
 Machines are noisy, so engines are compared by ratios measured within a run, and the median over
 ``--runs`` runs is reported; the absolute numbers are for the record. Every Talaria measurement gets
-a fresh EngineCore so no run is helped by the prefix cache of an earlier one. Progress goes to
+a fresh Driver so no run is helped by the prefix cache of an earlier one. Progress goes to
 stderr, the table to stdout, everything to the JSON file.
 """
 
@@ -43,7 +43,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from talaria.config.schema import InstanceConfig, ModelConfig, Pool
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
-from talaria.executor.executor import EngineCore
+from talaria.executor.driver import Driver, start_driver
+from talaria.executor.executor import Executor
 from talaria.executor.parallel import TPGroup
 from talaria.models.source import ModelFiles, prepare_model
 
@@ -94,7 +95,7 @@ TAILS = (
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """A batch of requests submitted together to one EngineCore, timed on time.perf_counter."""
+    """A batch of requests submitted together to one Driver, timed on time.perf_counter."""
 
     ttft_s: tuple[float, ...]  # per request: submit -> first token
     decode_tok_s: float | None  # tokens after each request's first / (first token of any -> last of all)
@@ -102,12 +103,12 @@ class Served:
     cached_tokens: tuple[int, ...]  # prompt tokens served from the prefix cache, per request
 
 
-def fresh_core(files: ModelFiles) -> EngineCore:
+def fresh_core(files: ModelFiles) -> Driver:
     gc.collect()  # drop the previous core's arena before taking another one
-    return EngineCore(INSTANCE, [files], TPGroup(0, 1))
+    return start_driver(Executor(INSTANCE, [files], TPGroup(0, 1)))
 
 
-def serve(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> Served:
+def serve(core: Driver, prompts: list[list[int]], max_tokens: int) -> Served:
     """Submit all prompts at once and step the core until every request has finished."""
     ids = [f"r{i}" for i in range(len(prompts))]
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

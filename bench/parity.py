@@ -43,7 +43,7 @@ from server import start_server, stop_server, wait_healthy  # bench/server.py
 
 from talaria.cli.replay_cmd import replay_sessions
 from talaria.config.loader import default_config_path, load_config
-from talaria.contracts.profile import load_profile
+from talaria.contracts.profile_file import load_profile
 from talaria.contracts.trace import TraceCall
 from talaria.replay import percentile, replay_sync
 from talaria.sim.simulation import Simulation

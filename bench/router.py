@@ -58,7 +58,7 @@ from server import (  # bench/server.py
     wait_healthy,
 )
 
-from talaria.config.schema import RouterConfig, RouterPolicy
+from talaria.config.schema import Pool, RouterConfig, RouterPolicy
 from talaria.contracts.profile import (
     Bandwidth,
     DecodeCurve,
@@ -68,8 +68,11 @@ from talaria.contracts.profile import (
     SwitchCost,
 )
 from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.replay import percentile
-from talaria.routing.router import InstanceView, Reason, Router, RouteRequest
+from talaria.routing.decision import Reason, RouteRequest
+from talaria.routing.instance_view import InstanceView
+from talaria.routing.router import Router
 
 TARGETS = {"lease_hit_p99_us": 20.0, "ranked_p99_us": 250.0, "gateway_added_p50_ms": 2.0}  # all upper bounds
 
@@ -89,8 +92,8 @@ PROFILE = Profile(
     "synthetic: H200-like", "cuda", 1, 141 << 30, "2026-11-30T00:00:00+00:00", "hand-written for bench/router.py",
     Bandwidth(50e9, 50e9, 3e12),
     {m: ModelProfile(m, 16 << 30, 128 << 10, PrefillCurve(0.005, 50e-6, 1e-9), DecodeCurve(0.02, 1e-4, 1e-8),
-                     {"h2d_only": SwitchCost("h2d_only", (0.05, 0.35, 0.01, 0.02, 0.001)),
-                      "full_d2d": SwitchCost("full_d2d", (0.05, 0.01, 0.01, 0.02, 0.001))})
+                     {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0.05, 0.35, 0.01, 0.02, 0.001)),
+                      SwitchPath.FULL_D2D: SwitchCost(SwitchPath.FULL_D2D, (0.05, 0.01, 0.01, 0.02, 0.001))})
      for m in MODELS})
 ROUND_S = 1.6  # gamma * ttft_s at the defaults
 
@@ -141,7 +144,7 @@ class Fleet:
         return InstanceStats(name, sum(q.waiting for q in queues), sum(q.running for q in queues),
                              rng.randrange(4096), 8192, models=models, active_model=active,
                              substrate={"staging_coverage": rng.random()}, sessions=tuple(self.recent[name].values()),
-                             version=self.versions[name], pool="hot" if hot else "cold", staged_model=staged,
+                             version=self.versions[name], pool=Pool.HOT if hot else Pool.COLD, staged_model=staged,
                              queues=queues, rounds=rounds, page_size=16)
 
     def refresh(self) -> None:

@@ -49,12 +49,13 @@ from talaria.config.schema import (
 )
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.contracts.step_plan import MemoryOps
-from talaria.executor.executor import EngineCore
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.executor.driver import Driver, start_driver
+from talaria.executor.executor import Executor
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.substrate import DTYPES
 from talaria.executor.weights import weights_nbytes
-from talaria.memory.stager import SwitchPath
 from talaria.memory.switch_record import PHASES, SwitchRecord
 from talaria.models.source import ModelFiles, prepare_model
 
@@ -88,7 +89,7 @@ def page_bytes(files: ModelFiles) -> int:
 
 # ---- the engine ----------------------------------------------------------------------------------
 
-def build_core(a: ModelFiles, b: ModelFiles, device: str, chunk_bytes: int, restore_pages: int) -> EngineCore:
+def build_core(a: ModelFiles, b: ModelFiles, device: str, chunk_bytes: int, restore_pages: int) -> Driver:
     """A cold instance serving A then B, A open; slabs filled so restores read real memory."""
     slab = max(page_bytes(a), page_bytes(b))
     instance = InstanceConfig(name=f"bench-{'staged' if chunk_bytes else 'h2d'}", pool=Pool.COLD,
@@ -97,8 +98,8 @@ def build_core(a: ModelFiles, b: ModelFiles, device: str, chunk_bytes: int, rest
                               host_kv_bytes=(restore_pages + 64) * slab, staging_chunk_bytes=chunk_bytes,
                               ttft_s=3600.0)  # rounds so long that only forced switches happen
     gc.collect()
-    core = EngineCore(instance, [a, b], TPGroup(0, 1))
-    core.substrate.slabs.fill_(0x5A)  # an untouched slab would read the zero page and flatter the restore
+    core = start_driver(Executor(instance, [a, b], TPGroup(0, 1)))
+    core.executor.substrate.slabs.fill_(0x5A)  # an untouched slab would read the zero page and flatter the restore
     return core
 
 
@@ -108,7 +109,7 @@ def check(outputs, what: str) -> None:
             raise RuntimeError(f"{what}: request {out.request_id} failed: {out.error}")
 
 
-def switch_to(core: EngineCore, model: str) -> SwitchRecord:
+def switch_to(core: Driver, model: str) -> SwitchRecord:
     """Force a switch and run it: the next step executes the SwitchPlan."""
     before = core.scheduler.switches[-1] if core.scheduler.switches else None
     core.scheduler.force_switch(model)
@@ -119,7 +120,7 @@ def switch_to(core: EngineCore, model: str) -> SwitchRecord:
     return record
 
 
-def warm_up(core: EngineCore, a: str, b: str) -> None:
+def warm_up(core: Driver, a: str, b: str) -> None:
     """Open B once and come back, so measured switches hit cached runtime state; run A's forward."""
     switch_to(core, b)
     switch_to(core, a)
@@ -128,7 +129,7 @@ def warm_up(core: EngineCore, a: str, b: str) -> None:
         check(core.step(), "warm-up")
 
 
-def serve_then_switch(core: EngineCore, a: str, b: str, run: int, steps: int | None,
+def serve_then_switch(core: Driver, a: str, b: str, run: int, steps: int | None,
                       log) -> tuple[SwitchRecord, int, float]:
     """A serves a long generation for `steps` steps (None: until B is fully staged), then A -> B.
 
@@ -151,7 +152,7 @@ def serve_then_switch(core: EngineCore, a: str, b: str, run: int, steps: int | N
             raise RuntimeError(f"{rid} finished after {n + 1} steps, before the switch; raise SERVE.max_tokens")
         n += 1
     step_ms = (time.perf_counter() - t0) * 1e3 / max(n, 1)
-    log(f"  {core.instance.name}: {n} serving steps ({step_ms:.0f} ms each), switching {a} -> {b}")
+    log(f"  {core.executor.instance.name}: {n} serving steps ({step_ms:.0f} ms each), switching {a} -> {b}")
     record = switch_to(core, b)  # A's generation is preempted: its KV is saved to host in phase 1
     check(core.cancel(rid), rid)
     switch_to(core, a)  # back, not measured
@@ -162,9 +163,9 @@ def serve_then_switch(core: EngineCore, a: str, b: str, run: int, steps: int | N
     return record, n, step_ms
 
 
-def restore_ops(core: EngineCore, nbytes: int, run: int) -> tuple[MemoryOps, int]:
+def restore_ops(core: Driver, nbytes: int, run: int) -> tuple[MemoryOps, int]:
     """Restores of nbytes of KV: active pages 0..N-1 from shuffled slabs, as a continuation's would be."""
-    sub = core.substrate
+    sub = core.executor.substrate
     pb = sub.images[sub.active].page_bytes
     n = nbytes // pb
     if n > sub.plan.num_pages or n > sub.num_slabs:
@@ -222,7 +223,7 @@ def switch_row(record: SwitchRecord, expect: SwitchPath) -> dict:
             "record": record.to_dict()}
 
 
-def one_run(staged: EngineCore, plain: EngineCore, ceil: Ceilings, a: str, b: str, run: int,
+def one_run(staged: Driver, plain: Driver, ceil: Ceilings, a: str, b: str, run: int,
             restore_bytes: int, log) -> dict:
     rec, steps, staged_step_ms = serve_then_switch(staged, a, b, run, None, log)
     d2d = switch_row(rec, SwitchPath.FULL_D2D)
@@ -231,10 +232,10 @@ def one_run(staged: EngineCore, plain: EngineCore, ceil: Ceilings, a: str, b: st
 
     log(f"  restore {restore_bytes >> 20} MiB of KV pages and ceiling copies, {COPY_REPS}x each")
     ops, nbytes = restore_ops(plain, restore_bytes, run)
-    plain.substrate.before_step(ops)  # untimed: faults in the destination pages
+    plain.executor.substrate.before_step(ops)  # untimed: faults in the destination pages
     restore, memcpy, h2d_ceiling = [], [], []
     for _ in range(COPY_REPS):
-        restore.append(gib_s(nbytes, ceil.time(lambda: plain.substrate.before_step(ops))))
+        restore.append(gib_s(nbytes, ceil.time(lambda: plain.executor.substrate.before_step(ops))))
         memcpy.append(ceil.memcpy())
         h2d_ceiling.append(ceil.h2d())
     memcpy_gib_s = statistics.median(memcpy)
@@ -338,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "threads": args.threads, "runs": args.runs, "page_size": PAGE_SIZE,
         "staging_chunk_bytes": args.chunk_mib << 20,
         "staging_chunks": -(-weight_bytes(b) // (args.chunk_mib << 20)), "restore_bytes": restore_bytes,
-        "restore_pages": restore_pages, "arena_bytes": staged.instance.arena_bytes,
-        "host_kv_bytes": staged.instance.host_kv_bytes,
+        "restore_pages": restore_pages, "arena_bytes": staged.executor.instance.arena_bytes,
+        "host_kv_bytes": staged.executor.instance.host_kv_bytes,
         "models": {m.name: {"dtype": m.dtype, "seed": m.seed, "shape": dataclasses.asdict(m.shape)}
                    for m in (MODEL_A, MODEL_B)},
         "weight_bytes": {f.name: weight_bytes(f) for f in files},

@@ -10,7 +10,8 @@ import pytest
 
 from talaria.config.schema import InstanceConfig, ModelConfig, Pool, SyntheticShape
 from talaria.contracts.call import CallOutput, InstanceCall, SamplingParams
-from talaria.executor.executor import EngineCore
+from talaria.executor.driver import Driver, start_driver
+from talaria.executor.executor import Executor
 from talaria.executor.parallel import TPGroup
 from talaria.models.source import ModelFiles, prepare_model
 
@@ -48,13 +49,20 @@ def instance(files: list[ModelFiles], **overrides) -> InstanceConfig:
     return replace(base, **overrides)
 
 
-def engine(files: list[ModelFiles], **overrides) -> EngineCore:
-    return EngineCore(instance(files, **overrides), files, TPGroup(0, 1))
+def driver(config: InstanceConfig, files: list[ModelFiles], **options) -> Driver:
+    """An instance in-process at TP=1, as a worker builds rank 0: the Executor, then the Driver.
+    `options`: the Executor's `fault`, the Driver's `probes`."""
+    fault = options.pop("fault", None)
+    return start_driver(Executor(config, files, TPGroup(0, 1), fault=fault), **options)
+
+
+def engine(files: list[ModelFiles], **overrides) -> Driver:
+    return driver(instance(files, **overrides), files)
 
 
 def arena_for_pages(files: ModelFiles, pages: int, **overrides) -> int:
     """arena_bytes that leaves exactly `pages` KV pages for this model (plus the null page)."""
-    plan = engine([files], **overrides).substrate.layout.plan(files.name)
+    plan = engine([files], **overrides).executor.substrate.layout.plan(files.name)
     size = plan.weights.end + (pages + 1) * plan.page_bytes + plan.runtime.size
     return -(-size // 256) * 256 + 256
 
@@ -63,7 +71,7 @@ def call(request_id: str, model: str, prompt, sampling: SamplingParams = GREEDY)
     return InstanceCall(request_id, model, tuple(prompt), sampling)
 
 
-def run(core: EngineCore, calls: list[InstanceCall], max_steps: int = 10_000) -> dict[str, list[CallOutput]]:
+def run(core: Driver, calls: list[InstanceCall], max_steps: int = 10_000) -> dict[str, list[CallOutput]]:
     """Submit every call, step until idle; outputs per request id."""
     outs: dict[str, list[CallOutput]] = {}
     for c in calls:

@@ -32,8 +32,8 @@ def profile(config_path: Path | None, instances: tuple[str, ...], out: Path | No
     curves and stops. The profile (docs/profile.md) is what cold instances budget rounds with, what
     the router ranks placements by, and what `talaria sim` charges.
     """
-    from talaria.contracts.profile import save_profile
-    from talaria.executor.calibrate import QUICK, Probes
+    from talaria.contracts.profile_file import save_profile
+    from talaria.executor.probes import QUICK, Probes
     from talaria.node.engine_group import EngineGroup
     from talaria.node.supervisor import Supervisor, worker_threads
 

@@ -44,7 +44,8 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
     """
     from talaria.config.errors import ConfigError
     from talaria.config.loader import load_config
-    from talaria.contracts.profile import ProfileError, load_profile
+    from talaria.contracts.profile import ProfileError
+    from talaria.contracts.profile_file import load_profile
     from talaria.contracts.trace import TraceError, read_trace
     from talaria.memory.bump_layout import LayoutError
     from talaria.sim.report import summary, table, variant

@@ -2,14 +2,18 @@
 
 Rank 0 of each engine group builds an `InstanceStats` from its scheduler and sends it to the
 supervisor beside its outputs; `version` increases with every snapshot so a consumer can tell a
-fresh one from a stale one. Serialised form: `dataclasses.asdict` as JSON, one object per instance
-under `GET /talaria/telemetry` (docs/telemetry.md). Owned by the round-scheduler issue; others add
-fields with defaults.
+fresh one from a stale one. `GET /talaria/telemetry` answers with a `NodeTelemetry` envelope: one
+`InstanceTelemetry` per local instance (its snapshot as `dataclasses.asdict` JSON) and the router's
+counters (docs/telemetry.md). Peers and the dashboard read it back with `NodeTelemetry.from_dict`.
+Owned by the round-scheduler issue; others add fields with defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from talaria.config.schema import Pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,7 @@ class InstanceStats:
     # recent sessions: {session, model, kv_tokens, location: device | host | missing, device_tokens, host_tokens}
     sessions: tuple[dict, ...] = ()
     version: int = 0  # increases with every snapshot, across restarts too: a router can spot a stale one
-    pool: str = "hot"  # hot | cold
+    pool: Pool = Pool.HOT
     staged_model: str | None = None  # whose weights are being staged in the KV tail (cold pools)
     queues: tuple[ModelQueue, ...] = ()  # per served model
     rounds: RoundState | None = None  # cold pools only
@@ -75,8 +79,67 @@ def stats_from_dict(data: dict) -> InstanceStats:
     d["sessions"] = tuple(d.get("sessions", ()))
     d["last_switches"] = tuple(d.get("last_switches", ()))
     d["queues"] = tuple(ModelQueue(**q) for q in d.get("queues", ()))
+    if "pool" in d:
+        d["pool"] = Pool(d["pool"])
     if d.get("rounds") is not None:
         r = dict(d["rounds"])
         r["last_rounds"] = tuple(r.get("last_rounds", ()))
         d["rounds"] = RoundState(**{k: v for k, v in r.items() if k in RoundState.__dataclass_fields__})
     return InstanceStats(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceTelemetry:
+    """One local instance in the node's telemetry envelope."""
+
+    healthy: bool  # ready and serving
+    in_flight: int  # calls sent to it and not finished
+    models: tuple[str, ...]  # the models it serves, in config order
+    stats: InstanceStats | None  # its latest snapshot; None before the first
+    profile: str | None  # its cost profile as TOML (talaria.contracts.profile_file); None until ready
+    restarts: int = 0  # times its workers died and it was restarted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "in_flight": self.in_flight, "models": list(self.models),
+                "stats": asdict(self.stats) if self.stats is not None else None, "profile": self.profile,
+                "restarts": self.restarts}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InstanceTelemetry:
+        """Raises (KeyError, TypeError, ValueError, AttributeError) on an entry it cannot read."""
+        stats = data.get("stats")
+        return cls(bool(data.get("healthy")), int(data.get("in_flight") or 0), tuple(data.get("models") or ()),
+                   stats_from_dict(stats) if stats is not None else None, data.get("profile"),
+                   int(data.get("restarts") or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTelemetry:
+    """The body of `GET /talaria/telemetry`: every local instance and the router."""
+
+    time: float  # the node's monotonic clock when it answered (snapshots' `time` are on it too)
+    instances: dict[str, InstanceTelemetry]  # by instance name, in config order
+    router: dict[str, Any]  # decisions by reason, lease counters, live leases, views (docs/router.md)
+    unreadable: tuple[str, ...] = ()  # read back only: instance entries this version could not read
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time": self.time, "instances": {n: i.to_dict() for n, i in self.instances.items()},
+                "router": self.router}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeTelemetry:
+        """Read a body back (a peer's, or the dashboard's node). An instance entry this version
+        cannot read (a newer or foreign writer) is left out and named in `unreadable`: one bad
+        entry costs only itself. Raises TypeError when `data` is not a telemetry body at all."""
+        if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict):
+            raise TypeError("not a Talaria telemetry body: expected an object with an \"instances\" object")
+        instances, unreadable = {}, []
+        for name, entry in (data.get("instances") or {}).items():
+            try:
+                instances[name] = InstanceTelemetry.from_dict(entry)
+            except (AttributeError, KeyError, TypeError, ValueError):
+                unreadable.append(name)
+        router = data.get("router")
+        t = data.get("time")
+        return cls(float(t) if isinstance(t, (int, float)) else 0.0, instances,
+                   router if isinstance(router, dict) else {}, tuple(unreadable))

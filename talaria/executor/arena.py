@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vector loads
+from talaria.memory.bump_layout import ALIGN
 
 
 class ArenaFull(MemoryError):

@@ -18,7 +18,6 @@ import platform
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -32,56 +31,38 @@ from talaria.contracts.profile import (
     Profile,
     ProfileError,
     SwitchCost,
-    fit_decode,
-    fit_prefill,
-    load_profile,
-    save_profile,
 )
+from talaria.contracts.profile_file import load_profile, save_profile
 from talaria.contracts.step_plan import MemoryOps, SeqChunk, StepPlan, SwitchPlan
-from talaria.executor.arena import ALIGN
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.executor.curve_fit import fit_decode, fit_prefill
+from talaria.executor.probes import Probes
 from talaria.instance.memory_planner import full_h2d
-from talaria.memory.bump_layout import Region
-from talaria.memory.stager import Stager, SwitchPath
+from talaria.memory.bump_layout import ALIGN, Region
+from talaria.memory.stager import Stager
 from talaria.memory.switch_record import SwitchRecord
 from talaria.models.conversion_cache import default_cache_dir, fingerprint
 
 if TYPE_CHECKING:
-    from talaria.executor.executor import EngineCore
+    from talaria.executor.executor import Executor
 
 PROBE_ID = -1_000_000  # sequence ids of probes: below anything a scheduler hands out
 PROFILE_CACHE_AGE_S = 7 * 24 * 3600.0  # a start-up profile is measured again after a week
 
 
-@dataclass(frozen=True, slots=True)
-class Probes:
-    """Which shapes to time; `quick` for start-up, a longer list for `talaria profile`."""
-
-    prefill_tokens: tuple[int, ...] = (16, 64, 256)
-    cached_tokens: tuple[int, ...] = (256,)  # prefix lengths for prefill-with-cached-prefix probes
-    decode_batches: tuple[int, ...] = (1, 4, 8)
-    decode_contexts: tuple[int, ...] = (32, 256)
-    repeats: int = 3  # timed runs per shape (after one warm-up); the fastest counts
-    copy_bytes: int = 32 << 20
-    staged_switches: bool = True  # also time the full-D2D and partial switch paths (several models)
-
-
-QUICK = Probes(prefill_tokens=(16, 128), cached_tokens=(128,), decode_batches=(1, 8), decode_contexts=(64,),
-               repeats=2, copy_bytes=8 << 20, staged_switches=False)  # hot instances: the router's cost model, in a second or two
-
-
-def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-up calibration",
+def calibrate(executor: Executor, probes: Probes = Probes(), method: str = "start-up calibration",
               progress: Callable[[str], None] = lambda line: None) -> Profile:
     """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile.
     `progress` gets one line per stage (`talaria profile` prints them)."""
-    sub, inst = core.substrate, core.instance
+    sub, inst = executor.substrate, executor.instance
     names = list(sub.images)
     models = {}
     for i, name in enumerate(names, 1):
         progress(f"model {i}/{len(names)} {name}: open, prefill and decode probes")
-        record = _open(core, name) if name != sub.active else None
-        models[name] = _model_profile(core, name, probes, record)
+        record = _open(executor, name) if name != sub.active else None
+        models[name] = _model_profile(executor, name, probes, record)
     if sub.active != names[0]:
-        record = _open(core, names[0])
+        record = _open(executor, names[0])
         models[names[0]] = _with_switch(models[names[0]], record)
     if probes.staged_switches and len(names) > 1 and inst.staging_chunk_bytes > 0:
         progress("staged switches: full-D2D and partial opens of every model")
@@ -89,16 +70,16 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
             source = names[i - 1]  # the model before it (the last one, for the first)
             for fraction, path in ((1.0, SwitchPath.FULL_D2D), (0.5, SwitchPath.PARTIAL)):
                 if sub.active != source:
-                    _open(core, source)
-                record = _staged_open(core, name, fraction)
+                    _open(executor, source)
+                record = _staged_open(executor, name, fraction)
                 if record is not None and record.ranks[0].path is path:
                     models[name] = _with_switch(models[name], record)
         if sub.active != names[0]:
-            _open(core, names[0])
+            _open(executor, names[0])
     cuda = inst.device is Device.CUDA
     progress("copy bandwidth and HKVR restore")
     bandwidth = _bandwidth(sub.arena.device, probes.copy_bytes)
-    bandwidth = dataclasses.replace(bandwidth, restore_bytes_per_s=_restore_rate(core, probes))
+    bandwidth = dataclasses.replace(bandwidth, restore_bytes_per_s=_restore_rate(executor, probes))
     return Profile(
         hardware=_hardware(inst.device, torch.get_num_threads()),
         device=inst.device.value,
@@ -111,7 +92,7 @@ def calibrate(core: EngineCore, probes: Probes = Probes(), method: str = "start-
     )
 
 
-def cached_calibration(core: EngineCore, probes: Probes, max_age_s: float = PROFILE_CACHE_AGE_S) -> Profile:
+def cached_calibration(executor: Executor, probes: Probes, max_age_s: float = PROFILE_CACHE_AGE_S) -> Profile:
     """`calibrate`, unless this machine measured the same instance shape and models recently.
 
     Start-up profiles are cached under the conversion cache (`$TALARIA_CACHE_DIR/profiles`), keyed
@@ -119,7 +100,7 @@ def cached_calibration(core: EngineCore, probes: Probes, max_age_s: float = PROF
     model's files and dtype, and the probes. A restart then skips the probes; the live EWMA
     (`CostModel`) corrects whatever drift there is. `talaria profile` always measures.
     """
-    inst, sub = core.instance, core.substrate
+    inst, sub = executor.instance, executor.substrate
     key = fingerprint({
         "schema": PROFILE_SCHEMA, "hardware": _hardware(inst.device, torch.get_num_threads()),
         "threads": torch.get_num_threads(), "tp": inst.tp, "device": inst.device.value,
@@ -134,7 +115,7 @@ def cached_calibration(core: EngineCore, probes: Probes, max_age_s: float = PROF
             return load_profile(path)
     except (OSError, ProfileError):
         pass  # absent, old or unreadable: measure
-    profile = calibrate(core, probes)
+    profile = calibrate(executor, probes)
     try:
         save_profile(profile, path)
     except OSError:
@@ -142,20 +123,19 @@ def cached_calibration(core: EngineCore, probes: Probes, max_age_s: float = PROF
     return profile
 
 
-def _open(core: EngineCore, name: str) -> SwitchRecord | None:
-    plan = SwitchPlan(name, full_h2d(core.substrate.images[name].nbytes))
-    core.group.broadcast_object(plan)
-    record, _ = core._switch(plan)
+def _open(executor: Executor, name: str) -> SwitchRecord | None:
+    plan = SwitchPlan(name, full_h2d(executor.substrate.images[name].nbytes))
+    record, _ = executor.switch(plan)
     return record
 
 
-def _staged_open(core: EngineCore, name: str, fraction: float) -> SwitchRecord | None:
+def _staged_open(executor: Executor, name: str, fraction: float) -> SwitchRecord | None:
     """Stage `fraction` of `name`'s weight chunks into the active model's free KV-pool tail, with the
     scheduler's Stager and staging copies, then open `name` by the gather it plans (D2D for staged
     chunks, H2D for the rest). None when the pool's tail has no room for a single chunk."""
-    sub = core.substrate
+    sub = executor.substrate
     active = sub.active
-    stager = Stager(core.instance.staging_chunk_bytes, ALIGN)
+    stager = Stager(executor.instance.staging_chunk_bytes, ALIGN)
     stager.target(name, sub.images[name].nbytes, sub.layout.plan(active))
     for _ in range(max(1, round(stager.num_chunks * fraction))):
         chunk = stager.next_chunk(lambda pages: True)  # probes publish nothing: every page is free
@@ -163,15 +143,13 @@ def _staged_open(core: EngineCore, name: str, fraction: float) -> SwitchRecord |
             break
         plan = StepPlan(active, (), MemoryOps(stage=(name, chunk.src.start, chunk.src.end,
                                                      chunk.dst.start, chunk.dst.end)))
-        core.group.broadcast_object(plan)
-        core._run(plan)
+        executor.run(plan)
         sub.wait_staging()
         stager.written(chunk)
     if stager.coverage() == 0:
         return None
     plan = SwitchPlan(name, stager.gather_plan(Region(0, sub.images[name].nbytes)))
-    core.group.broadcast_object(plan)
-    record, _ = core._switch(plan)
+    record, _ = executor.switch(plan)
     return record
 
 
@@ -180,36 +158,36 @@ def _with_switch(profile: ModelProfile, record: SwitchRecord | None) -> ModelPro
     if record is None:
         return profile
     slowest = max(record.ranks, key=lambda r: r.total_ms)
-    path = slowest.path.value
+    path = slowest.path
     cost = SwitchCost(path, tuple(ms / 1000 for ms in slowest.phase_ms))
-    how = "a full H2D open" if path == "h2d_only" else \
+    how = "a full H2D open" if path is SwitchPath.H2D_ONLY else \
         f"an open with {slowest.staged_bytes} of {slowest.total_bytes} weight bytes staged"
     return ModelProfile(profile.name, profile.weights_bytes, profile.kv_bytes_per_token, profile.prefill,
                         profile.decode, {**profile.switch, path: cost},
-                        {**profile.sources, f"switch.{path}": f"measured: {how} at calibration"})
+                        {**profile.sources, f"switch.{path.value}": f"measured: {how} at calibration"})
 
 
-def _model_profile(core: EngineCore, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
-    sub, ps = core.substrate, core.instance.page_size
+def _model_profile(executor: Executor, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
+    sub, ps = executor.substrate, executor.instance.page_size
     capacity = sub.plan.num_pages * ps
-    limit = max(1, min(core.instance.max_batch_tokens, capacity - ps))
+    limit = max(1, min(executor.instance.max_batch_tokens, capacity - ps))
     # the probe sizes that fit this instance; a tiny pool or step budget still gets two points
     sizes = [t for t in probes.prefill_tokens if t <= limit] or sorted({max(1, limit // 4), limit})
     prefill = []
     for n in sizes:
-        prefill.append((n, 0, _time(core, probes, [_chunk(core, 0, 0, n)])))
+        prefill.append((n, 0, _time(executor, probes, [_chunk(executor, 0, 0, n)])))
     for cached in (c for c in probes.cached_tokens if c + ps <= capacity):
         for n in (t for t in sizes if cached + t <= capacity):
-            _time(core, probes, [_chunk(core, 0, 0, cached)], repeats=0)  # its KV, for the probe
-            prefill.append((n, cached, _time(core, probes, [_chunk(core, 0, cached, n)])))
+            _time(executor, probes, [_chunk(executor, 0, 0, cached)], repeats=0)  # its KV, for the probe
+            prefill.append((n, cached, _time(executor, probes, [_chunk(executor, 0, cached, n)])))
     decode = []
     contexts = [c for c in probes.decode_contexts if c + 1 <= capacity] or [max(0, min(ps, capacity) - 1)]
     for ctx in contexts:
         for batch in probes.decode_batches:
             per_seq = -(-(ctx + 1) // ps)
-            if decode and (batch * per_seq > sub.plan.num_pages or batch > core.instance.max_running):
+            if decode and (batch * per_seq > sub.plan.num_pages or batch > executor.instance.max_running):
                 continue  # (a batch of 1 always runs, so the fit has a point)
-            seconds = _time(core, probes, [_chunk(core, i * per_seq, ctx, 1, seq=i) for i in range(batch)])
+            seconds = _time(executor, probes, [_chunk(executor, i * per_seq, ctx, 1, seq=i) for i in range(batch)])
             decode.append((batch, batch * (ctx + 1), seconds))
     image = sub.images[name]
     kv_per_token = image.page_bytes // ps
@@ -219,33 +197,32 @@ def _model_profile(core: EngineCore, name: str, probes: Probes, record: SwitchRe
     return _with_switch(profile, record)
 
 
-def _chunk(core: EngineCore, first_page: int, start: int, n: int, seq: int = 0) -> SeqChunk:
+def _chunk(executor: Executor, first_page: int, start: int, n: int, seq: int = 0) -> SeqChunk:
     """Probe sequence `seq`: tokens [start, start + n) on consecutive pages from `first_page`."""
-    ps, vocab = core.instance.page_size, core.substrate.images[core.substrate.active].files.arch.vocab_size
+    ps, vocab = executor.instance.page_size, executor.substrate.images[executor.substrate.active].files.arch.vocab_size
     pages = tuple(range(first_page, first_page + -(-(start + n) // ps)))
     tokens = tuple((7 * (start + i) + seq) % (vocab - 1) + 1 for i in range(n))
     return SeqChunk(PROBE_ID - seq, tokens, start, pages, True)
 
 
-def _time(core: EngineCore, probes: Probes, chunks: list[SeqChunk], repeats: int | None = None) -> float:
+def _time(executor: Executor, probes: Probes, chunks: list[SeqChunk], repeats: int | None = None) -> float:
     """Seconds of one probe step through the group: the fastest run after a warm-up. On a shared
     machine the slower runs measure the neighbours; the live EWMA corrects what remains."""
-    plan = StepPlan(core.substrate.active, tuple(chunks), MemoryOps(forget=tuple(c.seq_id for c in chunks)))
+    plan = StepPlan(executor.substrate.active, tuple(chunks), MemoryOps(forget=tuple(c.seq_id for c in chunks)))
     runs = []
     for _ in range(1 + (probes.repeats if repeats is None else repeats)):
         t0 = time.perf_counter()
-        core.group.broadcast_object(plan)
-        logits, _ = core._run(plan)
+        logits, _ = executor.run(plan)
         if logits is not None and logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         runs.append(time.perf_counter() - t0)
     return min(runs[1:]) if len(runs) > 1 else runs[0]
 
 
-def _restore_rate(core: EngineCore, probes: Probes) -> float | None:
+def _restore_rate(executor: Executor, probes: Probes) -> float | None:
     """Bytes per second of an HKVR restore: the active model's pages refilled from shuffled host
     slabs by the op a step runs before its forward, on every rank. None without host KV."""
-    sub = core.substrate
+    sub = executor.substrate
     pages = min(sub.num_slabs, sub.plan.num_pages, max(1, probes.copy_bytes // sub.slab_bytes))
     if sub.num_slabs == 0 or pages == 0:
         return None
@@ -255,8 +232,7 @@ def _restore_rate(core: EngineCore, probes: Probes) -> float | None:
     best = float("inf")
     for _ in range(1 + probes.repeats):
         t0 = time.perf_counter()
-        core.group.broadcast_object(plan)
-        core._run(plan)
+        executor.run(plan)
         best = min(best, time.perf_counter() - t0)
     return pages * sub.images[sub.active].page_bytes / best
 

@@ -19,12 +19,12 @@ import torch
 
 from talaria.config.schema import InstanceConfig
 from talaria.contracts.step_plan import MemoryOps
-from talaria.executor.arena import ALIGN, Arena, align_up
+from talaria.executor.arena import Arena, align_up
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.llama import LlamaModel
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.weights import load_weights, rebind, weights_nbytes
-from talaria.memory.bump_layout import Bases, BumpLayout, LayoutPlan
+from talaria.memory.bump_layout import ALIGN, Bases, BumpLayout, LayoutPlan
 from talaria.memory.stager import GatherPlan
 from talaria.memory.switch_record import RankSwitchRecord
 from talaria.models.source import ModelFiles

@@ -11,14 +11,14 @@ All need the API key when one is configured.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from talaria.contracts.profile import dump_profile
+from talaria.contracts.profile_file import dump_profile
+from talaria.contracts.telemetry import InstanceTelemetry, NodeTelemetry
 from talaria.gateway.errors import (
     INVALID_REQUEST,
     NOT_FOUND,
@@ -31,25 +31,7 @@ from talaria.node.errors import InstanceFailed, InstanceUnavailable
 
 if TYPE_CHECKING:
     from talaria.gateway.gateway import Gateway
-    from talaria.routing.router import Router
 
-
-def router_telemetry(router: Router) -> dict:
-    """The router's counters and live leases (with seconds left), for the dashboard and operators."""
-    now, st = router.clock(), router.stats
-    router.leases.sweep(now)
-    return {
-        "policy": router.config.policy.value,
-        "decisions": st.by_reason(),
-        "lease_hits": st.lease_hits, "lease_misses": st.lease_misses, "lease_expiries": st.lease_expiries,
-        "returns": st.returns, "same_instance_returns": st.same_instance_returns,
-        "avoidable_opens": st.avoidable_opens, "sessions": len(router.sessions),
-        "leases": [{"session": lease.session, "model": lease.model, "instance": lease.instance,
-                    "expires_in_s": lease.t_exp - now} for lease in router.leases.all()[:256]],
-        "views": {v.name: {"node": v.node, "healthy": v.healthy, "in_flight": v.in_flight,
-                           "snapshot_age_s": now - v.received_at if v.snapshot is not None else None}
-                  for v in router.views.values()},
-    }
 
 SWITCH_TIMEOUT_S = 120.0
 
@@ -61,14 +43,11 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
         gateway.authorize(request)
         instances = {}
         for g in supervisor.groups:
-            ready = getattr(g, "ready", None)
-            profile = ready.profile if ready is not None else None
-            instances[g.name] = {"healthy": g.healthy, "in_flight": g.in_flight,
-                                 "models": list(gateway.config.instances_by_name(g.name).models),
-                                 "stats": asdict(g.stats) if getattr(g, "stats", None) is not None else None,
-                                 "profile": dump_profile(profile) if profile is not None else None}
+            profile = g.ready.profile if g.ready is not None else None
+            instances[g.name] = InstanceTelemetry(g.healthy, g.in_flight, g.config.models, g.stats,
+                                                  dump_profile(profile) if profile is not None else None, g.restarts)
         router = gateway.dispatcher.router
-        return JSONResponse({"time": router.clock(), "instances": instances, "router": router_telemetry(router)})
+        return JSONResponse(NodeTelemetry(router.clock(), instances, router.telemetry()).to_dict())
 
     async def switch(request: Request) -> JSONResponse:
         gateway.authorize(request)

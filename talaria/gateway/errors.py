@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from talaria.routing.errors import RETRY_AFTER_S  # noqa: F401  (what a 429 or 503 tells clients to wait)
+
 # OpenAI's `type` values, chosen by status class so clients can branch on them.
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
-RETRY_AFTER_S = 2  # what a 503 tells clients to wait: instances restart or free up within seconds
 
 
 class APIError(Exception):

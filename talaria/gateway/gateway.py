@@ -50,14 +50,17 @@ from talaria.gateway.errors import (
 from talaria.gateway.generation import TextGeneration
 from talaria.gateway.metrics import GatewayMetrics
 from talaria.gateway.openai_protocol import Endpoint, ParsedRequest, parse_request
+from talaria.gateway.peer_forward import FORWARDED_HEADER, forward
 from talaria.gateway.responses import DONE, ResponseFormat, sse
 from talaria.gateway.sse import CancelOnDisconnect, SSEResponse
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.routing.decision import RouteRequest
 from talaria.routing.dispatcher import Dispatcher, Placement
-from talaria.routing.peers import FORWARDED_HEADER, PeerLink
+from talaria.routing.errors import Overloaded
+from talaria.routing.peers import PeerLink
 
 if TYPE_CHECKING:
-    from talaria.node.supervisor import Supervisor
+    from talaria.node.node_handle import NodeHandle
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ INLINE_PARSE_BYTES = 8192  # smaller bodies are parsed and tokenized on the even
 
 
 def create_app(
-    supervisor: Supervisor,
+    supervisor: NodeHandle,
     *,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
@@ -93,7 +96,7 @@ def create_app(
 class Gateway:
     """Per-app state and the route handlers; no module-level state, so apps can coexist."""
 
-    def __init__(self, supervisor: Supervisor, clock: Callable[[], float],
+    def __init__(self, supervisor: NodeHandle, clock: Callable[[], float],
                  wall_clock: Callable[[], float], new_id: Callable[[], str]) -> None:
         self.supervisor = supervisor
         self.config = supervisor.config
@@ -141,11 +144,16 @@ class Gateway:
             parsed = parse_request(endpoint, body, self.supervisor, header_session)  # cheaper than a thread hop
         else:  # tokenizing a 100K-token prompt must not stall the loop
             parsed = await asyncio.to_thread(parse_request, endpoint, body, self.supervisor, header_session)
-        session, chain, inferred = self.dispatcher.session(parsed, body, endpoint)
+        chat = endpoint is Endpoint.CHAT
+        session, chain, inferred = self.dispatcher.session(parsed.model, parsed.session_id,
+                                                           body.get("messages", ()) if chat else None,
+                                                           parsed.prompt_token_ids)
         local = request.headers.get(FORWARDED_HEADER) is not None  # a peer sent it: serve it here
-        placement = await self.dispatcher.place(parsed, endpoint, session, chain, inferred, request_id, local)
+        route = RouteRequest(parsed.model, session, len(parsed.prompt_token_ids), parsed.sampling.max_tokens,
+                             request_id)
+        placement = await self.dispatcher.place(route, chain, inferred, chat, parsed.prompt_token_ids, local)
         if placement.peer is not None:
-            return await placement.peer.forward(request, body, session, self.dispatcher, placement)
+            return await forward(placement.peer, request, body, session, self.dispatcher, placement)
         group = placement.group
         call = InstanceCall(request_id, parsed.model, parsed.prompt_token_ids, parsed.sampling,
                             session, enqueue_time=arrival)
@@ -357,5 +365,9 @@ def _error_handlers() -> dict:
         return _error_response(request, APIError(500, f"internal server error (request id {request_id})",
                                                  SERVER_ERROR))
 
-    return {APIError: api_error, InstanceUnavailable: instance_error, InstanceFailed: instance_error,
-            StarletteHTTPException: http_error, Exception: unexpected}
+    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        return _error_response(request, APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
+                                                 {"Retry-After": str(exc.retry_after_s)}))
+
+    return {APIError: api_error, Overloaded: overloaded, InstanceUnavailable: instance_error,
+            InstanceFailed: instance_error, StarletteHTTPException: http_error, Exception: unexpected}

@@ -9,6 +9,7 @@ by it. The simulator charges the profile's own numbers and never observes, so it
 from __future__ import annotations
 
 from talaria.contracts.profile import Profile
+from talaria.contracts.vocabulary import SwitchPath
 
 EWMA_ALPHA = 0.2  # weight of the newest measurement
 MAX_SCALE = 10.0  # one wild measurement (a GC pause, a page fault storm) cannot wreck the budget
@@ -32,8 +33,8 @@ class CostModel:
     def restore_s(self, model: str, tokens: int) -> float:
         return self.profile.restore_s(model, tokens) * self.scale(model, "prefill")
 
-    def switch_s(self, model: str, path: str) -> float:
-        return self.profile.switch_s(model, path) * self.scale(model, f"switch:{path}")
+    def switch_s(self, model: str, path: SwitchPath) -> float:
+        return self.profile.switch_s(model, path) * self.scale(model, f"switch:{path.value}")
 
     def observe(self, model: str, kind: str, predicted: float, measured: float) -> None:
         """Fold one measurement in; `kind` is "prefill", "decode" or "switch:<path>"."""

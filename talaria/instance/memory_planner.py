@@ -8,9 +8,11 @@ No tensors: the simulator can drive it with the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from talaria.contracts.step_plan import MemoryOps, SaveOp, SwitchPlan
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.batcher import Batcher
 from talaria.memory.bump_layout import BumpLayout, Region
 from talaria.memory.host_kv_registry import (
@@ -19,9 +21,23 @@ from talaria.memory.host_kv_registry import (
     agreed_pages,
 )
 from talaria.memory.page_manager import PageManager
-from talaria.memory.stager import GatherPlan, StagedChunk, Stager, SwitchPath
+from talaria.memory.stager import GatherPlan, StagedChunk, Stager
 
 SLACK_EVERY_S = 2.0  # staging slack is recomputed this often for telemetry (it scans the KV tail's pages)
+
+
+class CopyEvents(Protocol):
+    """Rank 0's copy engine as the planner sees it: have a ticket's D2H saves or the staging copy in
+    flight finished, and block until they have. The substrate answers from its CUDA events (or
+    copy-thread futures on CPU), the simulator from virtual time, tests by hand."""
+
+    def save_done(self, ticket: int) -> bool: ...
+
+    def wait_save(self, ticket: int) -> None: ...
+
+    def staging_done(self) -> bool: ...
+
+    def wait_staging(self) -> None: ...
 
 
 def full_h2d(weight_bytes: int) -> GatherPlan:
@@ -32,19 +48,14 @@ def full_h2d(weight_bytes: int) -> GatherPlan:
 
 class MemoryPlanner:
     def __init__(self, layout: BumpLayout, weight_bytes: dict[str, int], page_size: int,
-                 host: HostKVRegistry | None, stager: Stager | None, poison: bool,
-                 copies_done: Callable[[int], bool], staging_done: Callable[[], bool],
-                 wait_copies: Callable[[int], None], wait_staging: Callable[[], None]) -> None:
+                 host: HostKVRegistry | None, stager: Stager | None, poison: bool, copies: CopyEvents) -> None:
         self.layout = layout
         self.weight_bytes = weight_bytes
         self.page_size = page_size
         self.host = host
         self.stager = stager
         self.poison = poison
-        self._copies_done = copies_done  # rank 0's D2H copies of a ticket finished
-        self._wait_copies = wait_copies  # block until they are
-        self._wait_staging = wait_staging
-        self._staging_done = staging_done
+        self.copies = copies
         self._pending: dict[int, tuple[SaveOp, Batcher]] = {}  # tickets copying, not yet agreed
         self._writing: StagedChunk | None = None
         self._poison: list[int] = []
@@ -87,13 +98,13 @@ class MemoryPlanner:
 
     def ops(self, batcher: Batcher, idle: bool = False) -> MemoryOps:
         """The memory ops for the next step; `idle`: the step computes nothing (no chunk planned)."""
-        if idle and self._pending and not any(map(self._copies_done, self._pending)):
-            self._wait_copies(next(iter(self._pending)))  # only host copies can make progress: wait
+        if idle and self._pending and not any(map(self.copies.save_done, self._pending)):
+            self.copies.wait_save(next(iter(self._pending)))  # only host copies can make progress: wait
         staged = False
-        if self._writing is not None and self._staging_done():
+        if self._writing is not None and self.copies.staging_done():
             self.stager.written(self._writing)
             self._writing, staged = None, True
-        agree = tuple((t, save.seq_id) for t, (save, _) in self._pending.items() if self._copies_done(t))
+        agree = tuple((t, save.seq_id) for t, (save, _) in self._pending.items() if self.copies.save_done(t))
         saves = self._take_saves(batcher)
         stage = None
         key = (id(self._pool), self._pool.version, self.stager.target_model) \
@@ -143,7 +154,7 @@ class MemoryPlanner:
         saves = self._take_saves(outgoing) if outgoing is not None else ()
         agree = tuple((t, save.seq_id) for t, (save, _) in self._pending.items())
         if self._writing is not None:  # the chunk in flight finishes first and counts as staged
-            self._wait_staging()
+            self.copies.wait_staging()
             self.stager.written(self._writing)
             self._writing = None
         if self.stager is not None and self.stager.target_model == to_model:
@@ -162,7 +173,7 @@ class MemoryPlanner:
         if self.stager is None:
             return
         if self._writing is not None:
-            self._wait_staging()
+            self.copies.wait_staging()
             self.stager.written(self._writing)
             self._writing = None
         self.stager.clear()

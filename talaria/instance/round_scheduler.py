@@ -31,102 +31,31 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from itertools import count
 
-from talaria.config.schema import SlotLength, SlotOrder
 from talaria.contracts.events import EventKind
 from talaria.contracts.step_plan import SeqChunk
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.batcher import Batcher
 from talaria.instance.cost_model import CostModel
+from talaria.instance.rounds import (
+    DECODE_PHASES,
+    Phase,
+    Round,
+    RoundConfig,
+    Slot,
+    Step,
+    Switch,
+)
 from talaria.instance.sequence import SeqStatus, Sequence
 from talaria.instance.slot_policy import SLOT_LENGTHS, SLOT_ORDERS
 
 ROUNDS_KEPT = 8  # round summaries kept for telemetry
 
 
-class Phase(str, Enum):
-    P = "P"  # queued prefill admitted when the slot opened
-    D1 = "D1"  # decode before the first SP opportunity is taken
-    SP = "SP"  # session-prefill: continuations admitted mid-slot
-    D = "D"  # decode after an SP step
-    DFIN = "Dfin"  # decode once the budget after protected decode is spent
-
-
-DECODE_PHASES = (Phase.D1, Phase.D, Phase.DFIN)
-
-
-@dataclass(frozen=True, slots=True)
-class RoundConfig:
-    ttft_s: float  # TTFT target; rounds are bounded by gamma * ttft_s
-    tpot_s: float  # average time-per-output-token target (decode share)
-    gamma: float  # < 1
-    sp: bool = True  # session-prefill on (the "sp" ablation turns it off)
-    order: SlotOrder = SlotOrder.ROUND_ROBIN
-    length: SlotLength = SlotLength.DEMAND
-    max_batch_tokens: int = 512  # tokens per engine step
-    min_chunk_tokens: int = 0  # smallest P/SP chunk worth a step; 0 = max(page, max_batch_tokens / 4)
-
-    @property
-    def round_s(self) -> float:
-        return self.gamma * self.ttft_s
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """Run these chunks of the active model as one engine step of `phase`."""
-
-    phase: Phase
-    chunks: tuple[SeqChunk, ...]
-    predicted_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Switch:
-    """Open `model` before its slot starts."""
-
-    model: str
-    path: str  # the load path expected ("full_d2d", "partial", "h2d_only")
-    predicted_s: float
-
-
-@dataclass(slots=True)
-class Slot:
-    model: str
-    budget_s: float  # L_m, predicted seconds
-    protected: int  # d_m: decode iterations reserved before P and SP get budget
-    start: float | None = None  # when P began (after the switch, if any)
-    p_set: set[int] = field(default_factory=set)  # sequences queued when P began: only P admits them
-    sp_set: set[int] = field(default_factory=set)  # sequences admitted by SP in this slot
-    parked: set[int] = field(default_factory=set)  # continuations that got a park event in this slot
-    phase: Phase = Phase.P
-    last: Phase | None = None  # the phase of the last step
-    steps: int = 0
-    decode_steps: int = 0
-    opportunities: int = 0  # SP steps taken
-    short: bool = False  # P ended with queued work left (counted once per slot)
-    seg_start: float = 0.0  # the current phase segment: first step's time, steps, tokens
-    seg_steps: int = 0
-    seg_tokens: int = 0
-
-
-@dataclass(slots=True)
-class Round:
-    number: int
-    start: float
-    queue: list[str]  # models whose slot is still to come, next first
-    budgets: dict[str, float]
-    protected: dict[str, int]
-    time: Counter = field(default_factory=Counter)  # seconds by "P", "D", "SP", "switch"
-    sp_admitted: int = 0
-    sp_parked: int = 0
-    slots: list[dict] = field(default_factory=list)
-
-
 class RoundScheduler:
     def __init__(self, batchers: dict[str, Batcher], costs: CostModel, clock: Callable[[], float],
-                 config: RoundConfig, emit: Callable[..., None], switch_path: Callable[[str], str],
+                 config: RoundConfig, emit: Callable[..., None], switch_path: Callable[[str], SwitchPath],
                  known_session: Callable[[str], bool], page_size: int) -> None:
         self.batchers = batchers
         self.costs = costs
@@ -143,7 +72,7 @@ class RoundScheduler:
         self.round: Round | None = None
         self.slot: Slot | None = None
         self._pending: tuple[str, Phase | None, float, float] | None = None  # (model, phase, predicted, t0)
-        self._last_path = "h2d_only"  # of the switch in flight
+        self._last_path = SwitchPath.H2D_ONLY  # of the switch in flight
         self.deadline_risk: Counter = Counter()
         self.summaries: deque[dict] = deque(maxlen=ROUNDS_KEPT)
         self.sp_admitted = 0
@@ -172,7 +101,7 @@ class RoundScheduler:
         took = self.clock() - t0
         if phase is None:
             self.round.time["switch"] += took
-            self.costs.observe(model, f"switch:{self._last_path}", predicted, took)
+            self.costs.observe(model, f"switch:{self._last_path.value}", predicted, took)
             return
         self.round.time["SP" if phase is Phase.SP else "P" if phase is Phase.P else "D"] += took
         self.costs.observe(model, "decode" if phase in DECODE_PHASES else "prefill", predicted, took)
@@ -225,7 +154,7 @@ class RoundScheduler:
         switch_s, prev = 0.0, active
         for m in queue:
             if m != prev:
-                switch_s += self.costs.switch_s(m, self._switch_path(m) if prev == active else "h2d_only")
+                switch_s += self.costs.switch_s(m, self._switch_path(m) if prev == active else SwitchPath.H2D_ONLY)
             prev = m
         available = cfg.round_s - switch_s
         if available <= 0:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import count
 
+from talaria.config.schema import Pool
 from talaria.contracts.call import (
     CallOutput,
     CallTimings,
@@ -24,9 +25,11 @@ from talaria.contracts.call import (
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.step_plan import StepPlan, SwitchPlan
 from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
+from talaria.contracts.vocabulary import KVLocation, SwitchPath
 from talaria.instance.batcher import Batcher
 from talaria.instance.memory_planner import MemoryPlanner
-from talaria.instance.round_scheduler import RoundScheduler, Switch
+from talaria.instance.round_scheduler import RoundScheduler
+from talaria.instance.rounds import Switch
 from talaria.instance.sequence import SeqStatus, Sequence
 from talaria.memory.host_kv_registry import RankReport
 
@@ -145,13 +148,12 @@ class Scheduler:
             outgoing.suspend()
         return self.memory.switch_plan(model, outgoing)
 
-    def _switch_path(self, model: str) -> str:
+    def _switch_path(self, model: str) -> SwitchPath:
         """The load path a switch to `model` would take now: how much of it staging covers."""
         stager = self.memory.stager
         if stager is None or stager.target_model != model:
-            return "h2d_only"
-        coverage = stager.coverage()
-        return "full_d2d" if coverage >= 1.0 else "partial" if coverage > 0 else "h2d_only"
+            return SwitchPath.H2D_ONLY
+        return SwitchPath.for_coverage(stager.coverage())
 
     def _rotation(self) -> list[str]:
         """The other models, in round-robin order after the active one."""
@@ -264,8 +266,8 @@ class Scheduler:
             on_host = len(host.peek(model, probe)) if host is not None else 0
             if not exact:
                 on_device, on_host = on_device * len(chain), on_host * len(chain)
-            where = ("device" if chain and on_device == len(chain) else
-                     "host" if chain and on_host == len(chain) else "missing")  # partial: the tokens say how much
+            where = (KVLocation.DEVICE if chain and on_device == len(chain) else
+                     KVLocation.HOST if chain and on_host == len(chain) else KVLocation.MISSING)
             out.append({"session": session, "model": model, "kv_tokens": len(chain) * ps, "location": where,
                         "device_tokens": on_device * ps, "host_tokens": on_host * ps})
         return tuple(out)
@@ -291,7 +293,7 @@ class Scheduler:
             last_switch=last,
             substrate=self.memory.telemetry(self.clock(), slack=exact),
             sessions=self.session_states(exact),
-            pool="hot" if self.rounds is None else "cold",
+            pool=Pool.HOT if self.rounds is None else Pool.COLD,
             staged_model=self.memory.stager.target_model if self.memory.stager is not None else None,
             queues=tuple(ModelQueue(m, len(b.waiting), len(b.running), m == self.active)
                          for m, b in self.batchers.items()),

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ALIGN = 256  # bytes: every region of an arena starts on it (any dtype, vector loads); the arena's and the simulator's
+
 
 def align_up(n: int, align: int) -> int:
     """The smallest multiple of `align` that is >= n."""

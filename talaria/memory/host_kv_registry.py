@@ -19,17 +19,10 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+
+from talaria.contracts.vocabulary import KVLocation
 
 Key = tuple[str, int]  # (model, cumulative page hash)
-
-
-class KVLocation(Enum):
-    """Where a session's prefix can come from, as the router and scheduler see it."""
-
-    DEVICE = "device"  # decided by the caller's device prefix cache, never by this module
-    HOST = "host"  # restorable from published host slabs
-    MISSING = "missing"  # must be recomputed
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
 
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.memory.bump_layout import LayoutPlan, Region, align_down, align_up
 
 
@@ -37,22 +38,6 @@ class ChunkState(Enum):
     WRITING = "writing"  # an H2D copy into its destination is in flight; its pages are blocked
     CLEAN = "clean"  # its destination holds exactly these weight bytes: safe to gather D2D
     DIRTY = "dirty"  # KV was allocated over it after it was written: must be re-staged or reloaded
-
-
-class SwitchPath(Enum):
-    """How a switch opens the target weights, best first (paper Table 2)."""
-
-    FULL_D2D = "full_d2d"  # every chunk gathered device-to-device
-    PARTIAL = "partial"  # some chunks D2D, the rest topped up from host
-    H2D_ONLY = "h2d_only"  # nothing staged: the whole image comes from host
-
-    @property
-    def severity(self) -> int:
-        """0 for FULL_D2D, 1 for PARTIAL, 2 for H2D_ONLY: the worse the path, the higher."""
-        return _SEVERITY[self]
-
-
-_SEVERITY = {SwitchPath.FULL_D2D: 0, SwitchPath.PARTIAL: 1, SwitchPath.H2D_ONLY: 2}
 
 
 class StagingError(RuntimeError):
@@ -249,8 +234,7 @@ class Stager:
             else:
                 h2d.append((src, dst))
                 dirty += src.size if state is ChunkState.DIRTY else 0
-        path = SwitchPath.FULL_D2D if not h2d else SwitchPath.H2D_ONLY if not d2d else SwitchPath.PARTIAL
-        return GatherPlan(tuple(d2d), tuple(h2d), path, staged, dirty, total)
+        return GatherPlan(tuple(d2d), tuple(h2d), SwitchPath.for_coverage(staged / total), staged, dirty, total)
 
     # ---- telemetry -------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from talaria.memory.stager import SwitchPath
+from talaria.contracts.vocabulary import SwitchPath
 
 
 class SwitchPhase(Enum):

@@ -35,7 +35,7 @@ from talaria.contracts.call import (
     SwitchModel,
 )
 from talaria.contracts.events import Event
-from talaria.executor.calibrate import Probes
+from talaria.executor.probes import Probes
 from talaria.memory.rank_ledger import TestOnlyFault
 from talaria.models.source import ModelFiles
 from talaria.node.errors import InstanceFailed, InstanceUnavailable

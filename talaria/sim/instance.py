@@ -1,8 +1,9 @@
 """One instance in virtual time: the live node's scheduler and memory bookkeeping, no tensors.
 
-A `SimInstance` builds exactly what `EngineCore` builds on rank 0 — a `Scheduler` over `Batcher`s,
-a `MemoryPlanner` over `BumpLayout`, `HostKVRegistry` and `Stager`, and for cold pools the
-`RoundScheduler` — from the instance's config and the profile's model sizes. Where the engine would
+A `SimInstance` gets its policy objects from the same assembly as the live rank 0
+(talaria/instance/assembly.py) — a `Scheduler` over `Batcher`s, a `MemoryPlanner` over `BumpLayout`,
+`HostKVRegistry` and `Stager`, and for cold pools the `RoundScheduler` — from the instance's config
+and the profile's model sizes. Where the engine would
 run a step, the simulator charges its cost from the profile and commits it when the virtual clock
 gets there; one `RankLedger` stands in for the ranks' KV (they agree by construction). D2H saves
 and staging copies finish after their bytes / bandwidth, checked when the planner asks, as the
@@ -12,26 +13,20 @@ engine's copy events are.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from talaria.config.schema import Ablation, InstanceConfig, Pool
+from talaria.config.schema import InstanceConfig
 from talaria.contracts.call import CallOutput, InstanceCall
 from talaria.contracts.profile import PHASE_NAMES, Profile
 from talaria.contracts.step_plan import MemoryOps, StepPlan, SwitchPlan
-from talaria.instance.batcher import Batcher
-from talaria.instance.cost_model import CostModel
-from talaria.instance.memory_planner import MemoryPlanner, full_h2d
-from talaria.instance.round_scheduler import RoundConfig, RoundScheduler
-from talaria.instance.scheduler import Scheduler
-from talaria.memory.bump_layout import BumpLayout
-from talaria.memory.host_kv_registry import HostKVRegistry
-from talaria.memory.page_manager import PageManager
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.instance.assembly import ServedModel, assemble
+from talaria.memory.bump_layout import ALIGN, BumpLayout
 from talaria.memory.rank_ledger import RankLedger
-from talaria.memory.stager import Stager
 from talaria.memory.switch_record import RankSwitchRecord, SwitchRecord
 from talaria.sim.loop import EventLoop
 
 RUNTIME_BYTES = 1 << 30  # per rank at most: attention workspace, graphs; small arenas (CPU) get 1/64 of it
-ALIGN = 256
 IDLE_RETRY_S = 0.001  # work that cannot move yet (KV pinned by a save in flight) is retried this soon
 MAX_CONTEXT = 1 << 20  # tokens; the trace, not the model card, bounds a simulated call
 
@@ -56,34 +51,18 @@ class SimInstance:
         self.runtime_bytes = runtime_bytes if runtime_bytes is not None else \
             min(RUNTIME_BYTES, config.arena_bytes // 64) // ALIGN * ALIGN
         self.layout = BumpLayout(config.arena_bytes, self.runtime_bytes, ALIGN)
+        served = []
         for m in models:
             mp = profile.model(m)
             self.layout.register(m, mp.weights_bytes, mp.kv_bytes_per_token * ps)
-        slab_bytes = max(profile.model(m).kv_bytes_per_token * ps for m in models)
-        slabs = config.host_kv_bytes // slab_bytes if config.enabled(Ablation.HKVR) else 0
-        self.host = HostKVRegistry(slabs, slab_bytes) if slabs else None
-        self.stager = Stager(config.staging_chunk_bytes, ALIGN) \
-            if config.enabled(Ablation.STAGING) and len(models) > 1 else None
+            served.append(ServedModel(m, mp.weights_bytes, mp.kv_bytes_per_token * ps, MAX_CONTEXT, ()))
         self._copies: dict[int, float] = {}  # save ticket -> when its D2H copies finish
         self._staging_until = 0.0
-        self.memory = MemoryPlanner(self.layout, {m: profile.model(m).weights_bytes for m in models}, ps,
-                                    self.host, self.stager, False, self._copy_done, self._staging_done,
-                                    lambda ticket: None, lambda: None)
-        batchers = {m: Batcher(m, PageManager(self.layout.plan(m).num_pages, ps), config.max_batch_tokens,
-                               config.max_running, MAX_CONTEXT, (), self.host) for m in models}
-        rounds = None
-        if config.pool is Pool.COLD or len(models) > 1:
-            rc = RoundConfig(config.ttft_s, config.tpot_s, config.gamma, config.enabled(Ablation.SP),
-                             config.slot_order, config.slot_length, config.max_batch_tokens)
-            costs = CostModel(profile) if learn else CostModel(profile, alpha=0.0)
-
-            def rounds(b, clock, emit, switch_path, known):
-                return RoundScheduler(b, costs, clock, rc, emit, switch_path, known, ps)
-        self.scheduler = Scheduler(config.name, batchers, self.clock, self.memory, rounds,
-                                   record_steps=config.record_steps)
+        # no bytes move here, so nothing is poisoned (the poison pages would only add empty steps)
+        self.scheduler = assemble(replace(config, debug_poison=False), self.layout, served, profile, self, self.clock,
+                                  learn=learn)
+        self.memory = self.scheduler.memory
         self.ledger = RankLedger(0, ps)
-        opening = SwitchPlan(models[0], full_h2d(profile.model(models[0]).weights_bytes))
-        self.scheduler.switched(opening, None, [])
         self.busy = False
         self.hbm_peak_bytes = 0
         self._hbm_fixed: dict[str, tuple[int, int]] = {}  # model -> (weights + runtime bytes, page bytes)
@@ -165,15 +144,15 @@ class SimInstance:
 
     def _switch_record(self, plan: SwitchPlan) -> tuple[SwitchRecord, float]:
         """The switch's five phases from the profile; a partial path interpolates by staged bytes."""
-        g, path = plan.gather, plan.gather.path.value
+        g, path = plan.gather, plan.gather.path
         mp = self.profile.model(plan.model)
         phases = list(mp.switch[path].phase_s) if path in mp.switch else None
         if phases is None:
             base = next(iter(mp.switch.values())).phase_s if mp.switch else (0.0,) * len(PHASE_NAMES)
             phases = list(base)
             phases[1] = self.profile.switch_s(plan.model, path) - (sum(base) - base[1])
-        if path == "partial" and "full_d2d" in mp.switch and "h2d_only" in mp.switch:
-            d2d, h2d = mp.switch["full_d2d"].phase_s[1], mp.switch["h2d_only"].phase_s[1]
+        if path is SwitchPath.PARTIAL and SwitchPath.FULL_D2D in mp.switch and SwitchPath.H2D_ONLY in mp.switch:
+            d2d, h2d = mp.switch[SwitchPath.FULL_D2D].phase_s[1], mp.switch[SwitchPath.H2D_ONLY].phase_s[1]
             phases[1] = d2d + (h2d - d2d) * g.h2d_bytes / max(1, g.total_bytes)
         rank = RankSwitchRecord(0, self.scheduler.active, plan.model, g.path, tuple(p * 1000 for p in phases),
                                 g.staged_bytes, g.dirty_bytes, g.total_bytes, False)
@@ -185,13 +164,20 @@ class SimInstance:
         self._drain()
         self.loop.after(0.0, self._step)
 
-    # ---- the planner's copy events -------------------------------------------------------------
+    # ---- the planner's copy events (CopyEvents), in virtual time ----------------------------------
 
-    def _copy_done(self, ticket: int) -> bool:
+    def save_done(self, ticket: int) -> bool:
         return self.clock() >= self._copies.get(ticket, 0.0)
 
-    def _staging_done(self) -> bool:
+    def wait_save(self, ticket: int) -> None:
+        """No blocking in virtual time: a step with nothing but copies to wait for is retried after
+        IDLE_RETRY_S, and the planner finds them done once the clock passes their end."""
+
+    def staging_done(self) -> bool:
         return self.clock() >= self._staging_until
+
+    def wait_staging(self) -> None:
+        """No blocking in virtual time: a chunk still in flight at a switch counts as written."""
 
     # ---- reporting --------------------------------------------------------------------------
 

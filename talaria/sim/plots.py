@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.sim.simulation import SimResult
 
-PATHS = ("full_d2d", "partial", "h2d_only")
+PATHS = tuple(p.value for p in SwitchPath)
 
 
 def write_plots(results: dict[str, SimResult], out_dir: Path) -> list[Path]:

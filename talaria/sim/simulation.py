@@ -25,7 +25,9 @@ from talaria.contracts.call import (
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.profile import Profile
 from talaria.contracts.trace import TraceCall, sessions
-from talaria.routing.router import InstanceView, Router, RouteRequest
+from talaria.routing.decision import RouteRequest
+from talaria.routing.instance_view import InstanceView
+from talaria.routing.router import Router
 from talaria.sim.instance import SimInstance
 from talaria.sim.loop import EventLoop, VirtualClock
 
@@ -209,8 +211,8 @@ class Simulation:
         if self.options.keep_events:
             self.events.extend(events)
 
-    def _router_event(self, kind: str, **data) -> None:
-        self._events([Event(self.clock(), "router", EventKind(kind), data)])
+    def _router_event(self, kind: EventKind, **data) -> None:
+        self._events([Event(self.clock(), "router", kind, data)])
 
 
 def _router_summary(router: Router) -> dict:

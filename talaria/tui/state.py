@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from talaria.contracts.profile import Profile, ProfileError, parse_profile
-from talaria.contracts.telemetry import InstanceStats, stats_from_dict
+from talaria.config.schema import Pool
+from talaria.contracts.profile import Profile, ProfileError
+from talaria.contracts.profile_file import parse_profile
+from talaria.contracts.telemetry import InstanceStats, InstanceTelemetry, NodeTelemetry
 from talaria.tui.leases import LeaseBook
 from talaria.tui.memory import ArenaUsage, DeviceMemory, arena_usage
 from talaria.tui.switches import SwitchLog
@@ -83,16 +85,15 @@ class InstanceView:
         self._event_active: str | None = None  # the model of its latest switch or slot phase
         self._event_models: dict[str, None] = {}  # models its events or routes mention, in order
 
-    def observe(self, entry: dict[str, Any]) -> None:
+    def observe(self, entry: InstanceTelemetry) -> None:
         """One instance entry of a telemetry body; a snapshot older than the one held is dropped."""
-        self.healthy, self.in_flight = entry.get("healthy"), entry.get("in_flight")
-        self.models = tuple(entry.get("models") or self.models)
-        if entry.get("stats") is not None:
-            stats = stats_from_dict(entry["stats"])
-            if self.stats is None or stats.version > self.stats.version:
-                self.stats = stats
-                self.models = self.models or stats.models
-        text = entry.get("profile")
+        self.healthy, self.in_flight = entry.healthy, entry.in_flight
+        self.models = entry.models or self.models
+        stats = entry.stats
+        if stats is not None and (self.stats is None or stats.version > self.stats.version):
+            self.stats = stats
+            self.models = self.models or stats.models
+        text = entry.profile
         if text is not None and text != self._profile_text:
             self._profile_text = text
             try:
@@ -175,22 +176,19 @@ class DashboardState:
 
     def apply_telemetry(self, body: dict[str, Any]) -> None:
         """Fold one `GET /talaria/telemetry` body."""
-        entries = body.get("instances") or {}
-        self._listed = list(entries)
-        for name, entry in entries.items():
+        telemetry = NodeTelemetry.from_dict(body)
+        self.malformed += len(telemetry.unreadable)  # entries this version cannot read: keep the last good ones
+        self._listed = list(telemetry.instances) + list(telemetry.unreadable)
+        for name, entry in telemetry.instances.items():
             view = self.instance(name)
-            try:
-                view.observe(entry)
-            except (AttributeError, KeyError, TypeError, ValueError):
-                self.malformed += 1  # a snapshot this version cannot read: keep the last good one
-                continue
+            view.observe(entry)
             if view.stats is None:
                 continue
             for record in view.stats.last_switches:
                 self.switches.add(name, record)
             if view.stats.rounds is not None:
                 self.timeline(name).observe(view.stats.rounds, view.stats.time)
-        self.router = body.get("router") or {}
+        self.router = telemetry.router
         t = body.get("time")
         if t is not None:
             self.telemetry_time = t
@@ -249,7 +247,7 @@ class DashboardState:
     def cold_instances(self) -> list[str]:
         """Instances with a round scheduler: cold in telemetry, or with round events (a replay)."""
         return [n for n in self.instance_names()
-                if self.instances[n].pool == "cold" or (self.instances[n].pool is None and n in self.timelines)]
+                if self.instances[n].pool is Pool.COLD or (self.instances[n].pool is None and n in self.timelines)]
 
     def recent_sessions(self, n: int) -> list[SessionRoute]:
         """The `n` sessions routed most recently, newest first."""

@@ -13,7 +13,8 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from talaria.contracts.profile import PHASE_NAMES, SWITCH_PATHS
+from talaria.contracts.profile import PHASE_NAMES
+from talaria.contracts.vocabulary import SwitchPath
 
 KEEP_RECENT = 64
 KEEP_LATENCIES = 1000  # per path, for the percentiles
@@ -74,8 +75,9 @@ class SwitchLog:
         self._latencies[view.path].append(view.total_ms)
 
     def paths(self) -> list[str]:
-        """The known paths first, in SWITCH_PATHS order, then any other path seen."""
-        return list(SWITCH_PATHS) + sorted(p for p in self.counts if p not in SWITCH_PATHS)
+        """The known paths first, best first, then any other path seen."""
+        known = [p.value for p in SwitchPath]
+        return known + sorted(p for p in self.counts if p not in known)
 
     def percentile(self, path: str, q: float) -> float | None:
         """The nearest-rank q-quantile (0 < q <= 1) of the path's recent switch times, ms."""

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from talaria.contracts.profile import PHASE_NAMES, SWITCH_PATHS, Profile, load_profile
+from talaria.contracts.profile import PHASE_NAMES, Profile
+from talaria.contracts.profile_file import load_profile
+from talaria.contracts.vocabulary import SwitchPath
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 TP8, TP4 = PROFILES / "paper-tp8.toml", PROFILES / "paper-tp4.toml"
@@ -47,7 +49,7 @@ def test_both_profiles_load_with_the_expected_shape(loaded):
 def test_every_model_has_all_three_switch_paths(loaded):
     _, p = loaded
     for name, m in p.models.items():
-        assert set(m.switch) == set(SWITCH_PATHS), name
+        assert set(m.switch) == set(SwitchPath), name
         for path, cost in m.switch.items():
             assert len(cost.phase_s) == len(PHASE_NAMES), (name, path)
         # staging can only help: a full gather is cheapest, the host path dearest

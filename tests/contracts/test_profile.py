@@ -21,14 +21,15 @@ from talaria.contracts.profile import (
     Profile,
     ProfileError,
     SwitchCost,
+)
+from talaria.contracts.profile_file import (
     dump_profile,
-    fit_decode,
-    fit_linear,
-    fit_prefill,
     load_profile,
     parse_profile,
     save_profile,
 )
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.executor.curve_fit import fit_decode, fit_linear, fit_prefill
 
 GOOD = """\
 [profile]
@@ -87,7 +88,7 @@ def test_parse_reads_every_key_and_defaults_the_optional_ones():
     assert (p.schema, p.tp, p.device_bytes, p.device) == (PROFILE_SCHEMA, 1, 268435456, "cpu")
     assert p.bandwidth == Bandwidth(1e10, 5e9, 4e10)
     assert m.decode == DecodeCurve(0.002, 1e-4, 0.0)  # per_context_token_s defaults to 0
-    assert m.switch == {"h2d_only": SwitchCost("h2d_only", (0.001, 0.01, 0.0001, 0.0001, 1e-5))}
+    assert m.switch == {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0.001, 0.01, 0.0001, 0.0001, 1e-5))}
     assert m.sources == {"prefill": "measured at start-up"}
     assert p.sources == {"hardware": "lscpu"}
 
@@ -101,8 +102,8 @@ def test_the_example_in_the_docs_parses():
 
 @pytest.mark.parametrize("profile", [
     make_profile(),
-    make_profile({"full_d2d": SwitchCost("full_d2d", (0.1, 0.2, 0.3, 0.4, 0.5)),
-                  "partial": SwitchCost("partial", (1e-9, 1 / 3, 0.0, 2.5e-7, 7.0))}),
+    make_profile({SwitchPath.FULL_D2D: SwitchCost(SwitchPath.FULL_D2D, (0.1, 0.2, 0.3, 0.4, 0.5)),
+                  SwitchPath.PARTIAL: SwitchCost(SwitchPath.PARTIAL, (1e-9, 1 / 3, 0.0, 2.5e-7, 7.0))}),
     parse_profile(GOOD),
 ])
 def test_dump_then_parse_gives_the_same_profile(profile):
@@ -117,7 +118,7 @@ def test_save_then_load_round_trips_and_leaves_no_temporary_file(tmp_path):
 
 
 def test_save_refuses_a_profile_it_could_not_load_back(tmp_path):
-    bad = make_profile({"h2d_only": SwitchCost("h2d_only", (0.1, -0.2, 0.0, 0.0, 0.0))})
+    bad = make_profile({SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0.1, -0.2, 0.0, 0.0, 0.0))})
     with pytest.raises(ProfileError, match=r"switch\.h2d_only\.phase_s\.open_weights = -0\.2"):
         save_profile(bad, tmp_path / "bad.toml")
     assert list(tmp_path.iterdir()) == []
@@ -207,28 +208,26 @@ def test_restore_and_save_divide_kv_bytes_by_the_right_bandwidth():
 
 
 def test_switch_s_uses_the_recorded_phases_and_estimates_missing_paths():
-    recorded = SwitchCost("h2d_only", (0.25, 2.0, 0.125, 0.0625, 0.0625))
-    p = make_profile({"h2d_only": recorded})
+    recorded = SwitchCost(SwitchPath.H2D_ONLY, (0.25, 2.0, 0.125, 0.0625, 0.0625))
+    p = make_profile({SwitchPath.H2D_ONLY: recorded})
     assert recorded.total_s == 2.5
     assert p.switch_s("m") == 2.5
     # full_d2d: 8e9 B / 4e11 B/s = 0.02 s, plus the four non-weight phases of h2d_only (0.5 s)
-    assert p.switch_s("m", "full_d2d") == pytest.approx(0.02 + 0.5, rel=1e-12)
-    assert p.switch_s("m", "partial") == pytest.approx((2.5 + 0.52) / 2, rel=1e-12)
+    assert p.switch_s("m", SwitchPath.FULL_D2D) == pytest.approx(0.02 + 0.5, rel=1e-12)
+    assert p.switch_s("m", SwitchPath.PARTIAL) == pytest.approx((2.5 + 0.52) / 2, rel=1e-12)
 
 
 def test_switch_s_with_nothing_recorded_is_the_weight_copy_alone():
     p = make_profile()
-    assert p.switch_s("m", "h2d_only") == pytest.approx(8e9 / 5e10, rel=1e-12)
-    assert p.switch_s("m", "full_d2d") == pytest.approx(8e9 / 4e11, rel=1e-12)
-    assert p.switch_s("m", "partial") == pytest.approx((0.16 + 0.02) / 2, rel=1e-12)
+    assert p.switch_s("m", SwitchPath.H2D_ONLY) == pytest.approx(8e9 / 5e10, rel=1e-12)
+    assert p.switch_s("m", SwitchPath.FULL_D2D) == pytest.approx(8e9 / 4e11, rel=1e-12)
+    assert p.switch_s("m", SwitchPath.PARTIAL) == pytest.approx((0.16 + 0.02) / 2, rel=1e-12)
 
 
-def test_lookups_of_unknown_models_and_paths_say_what_exists():
+def test_lookups_of_unknown_models_say_what_exists():
     p = make_profile()
     with pytest.raises(ProfileError, match=r"no model 'big'.*it has: m"):
         p.decode_s("big", 1)
-    with pytest.raises(ProfileError, match="full_d2d, partial, h2d_only"):
-        p.switch_s("m", "teleport")
 
 
 def test_with_model_adds_or_replaces_and_leaves_the_original_alone():

@@ -8,10 +8,9 @@ import pytest
 
 from talaria.config.schema import Pool
 from talaria.executor.calibrate import Probes
-from talaria.executor.executor import EngineCore
-from talaria.executor.parallel import TPGroup
+from talaria.executor.driver import Driver
 from tests.executor.reference import ReferenceLlama
-from tests.tiny_models import GREEDY, call, instance, run, tiny_files, tokens
+from tests.tiny_models import GREEDY, call, driver, instance, run, tiny_files, tokens
 
 SMALL = Probes(prefill_tokens=(8, 32), cached_tokens=(16,), decode_batches=(1, 2), decode_contexts=(16,),
                repeats=1, copy_bytes=1 << 20)
@@ -22,8 +21,8 @@ def two(model_cache):
     return [tiny_files("llama", model_cache), tiny_files("qwen3", model_cache)]
 
 
-def calibrated(files, **overrides) -> EngineCore:
-    return EngineCore(instance(files, pool=Pool.COLD, **overrides), files, TPGroup(0, 1), probes=SMALL)
+def calibrated(files, **overrides) -> Driver:
+    return driver(instance(files, pool=Pool.COLD, **overrides), files, probes=SMALL)
 
 
 def test_profile_measures_all_three_switch_paths_and_leaves_the_first_model_intact(two):
@@ -38,7 +37,7 @@ def test_profile_measures_all_three_switch_paths_and_leaves_the_first_model_inta
         assert mp.sources["switch.full_d2d"].startswith(f"measured: an open with {mp.weights_bytes} of")
     assert core.profile.bandwidth.restore_bytes_per_s > 0  # host KV is on: the restore op was timed
     first = two[0]
-    assert core.substrate.active == core.scheduler.active == first.name
+    assert core.executor.substrate.active == core.scheduler.active == first.name
     prompt = list(range(3, 40))
     out = run(core, [call("r", first.name, prompt)])["r"]
     assert tokens(out) == ReferenceLlama(first.directory).greedy(prompt, GREEDY.max_tokens)

@@ -88,7 +88,7 @@ def test_preemption_recomputes_and_keeps_tokens(tiny, references):
     # each call needs ceil((20 + 24) / 4) = 11 pages; a 24-page pool cannot hold four at once
     files = [tiny]
     core = engine(files, arena_bytes=arena_for_pages(tiny, 24))
-    assert core.pages == 24
+    assert core.executor.pages == 24
     sampling = GREEDY.__class__(max_tokens=24, temperature=0.0, ignore_eos=True)
     ps = prompts(4, [20], seed=4)
     outs = run(core, [call(str(i), tiny.name, p, sampling) for i, p in enumerate(ps)])

@@ -17,10 +17,9 @@ import torch
 
 from talaria.config.schema import Pool
 from talaria.contracts.call import SamplingParams
-from talaria.executor.executor import EngineCore
-from talaria.executor.parallel import TPGroup
+from talaria.contracts.vocabulary import KVLocation
+from talaria.executor.driver import Driver
 from talaria.memory import rank_ledger
-from talaria.memory.host_kv_registry import KVLocation
 from talaria.memory.stager import ChunkState
 from talaria.node.engine_group import EngineGroup
 from tests.executor.reference import ReferenceLlama
@@ -28,6 +27,7 @@ from tests.tiny_models import (
     GREEDY,
     arena_for_pages,
     call,
+    driver,
     engine,
     instance,
     run,
@@ -57,7 +57,7 @@ def committed(prompt: list[int], max_tokens: int = GREEDY.max_tokens) -> int:
     return len(prompt) + max_tokens - 1
 
 
-def switch_now(core: EngineCore, model: str) -> None:
+def switch_now(core: Driver, model: str) -> None:
     """A forced switch, run at once (the step carries nothing else)."""
     core.scheduler.force_switch(model)
     assert core.step() == []
@@ -87,7 +87,7 @@ def test_rank_disagreement_truncates_the_restored_prefix_tp1(two, kind):
     a, b = files
     fault, agreed = fault_at(kind, rank=0)
     assert agreed == FULL if fault is None else 0 < agreed < FULL  # a fault must cost reuse
-    core = EngineCore(instance(files, **SUBSTRATE), files, TPGroup(0, 1), fault=fault)
+    core = driver(instance(files, **SUBSTRATE), files, fault=fault)
     first = run(core, [call("s-1", a.name, PROMPT)])["s-1"]
     switch_now(core, b.name)  # a.name's device KV is gone: only the host can give the prefix back
     switch_now(core, a.name)
@@ -129,11 +129,11 @@ def test_rank_disagreement_truncates_the_restored_prefix_tp2(two, kind):
 
 # ---- 2. staging: dirty chunks come from host, clean ones device-to-device --------------------
 
-def stage_all(core: EngineCore) -> None:
+def stage_all(core: Driver) -> None:
     """Step (nothing but memory ops) until every chunk that can be staged now is CLEAN."""
     stager = core.scheduler.memory.stager
     for _ in range(stager.num_chunks + 2):
-        core.substrate.wait_staging()  # the copy in flight is done, so this step marks it CLEAN
+        core.executor.substrate.wait_staging()  # the copy in flight is done, so this step marks it CLEAN
         core.step()
         writing = any(stager.state(c.index) is ChunkState.WRITING for c in stager.chunks)
         if not writing and core.stats().substrate["staging_slack_bytes"] == 0:
@@ -141,15 +141,15 @@ def stage_all(core: EngineCore) -> None:
     raise AssertionError("staging did not settle")
 
 
-def weights_match_host_image(core: EngineCore, model: str) -> bool:
+def weights_match_host_image(core: Driver, model: str) -> bool:
     """The arena's weights region holds exactly the host image's bytes (the rebound parameters)."""
-    image = core.substrate.images[model]
-    return torch.equal(core.substrate.arena.bytes(0, image.nbytes), image.host.bytes(0, image.nbytes))
+    image = core.executor.substrate.images[model]
+    return torch.equal(core.executor.substrate.arena.bytes(0, image.nbytes), image.host.bytes(0, image.nbytes))
 
 
 def arena_for(files, model: str, pages: int) -> int:
     """arena_bytes that leaves `model` exactly `pages` KV pages beside every model's runtime state."""
-    plan = engine(files, **SUBSTRATE).substrate.layout.plan(model)
+    plan = engine(files, **SUBSTRATE).executor.substrate.layout.plan(model)
     return -(-(plan.weights.end + (pages + 1) * plan.page_bytes + plan.runtime.size) // 256) * 256 + 256
 
 
@@ -158,7 +158,7 @@ def test_dirty_staged_chunks_are_reloaded_from_host(two):
     a, b = files
     pages = 48  # the whole pool is the staging range: chunk j of b's image sits on page 47 - j
     core = engine(files, **{**SUBSTRATE, "arena_bytes": arena_for(files, a.name, pages)})
-    assert core.pages == pages
+    assert core.executor.pages == pages
     stager = core.scheduler.memory.stager
     stage_all(core)
     assert len(stager.chunks) == pages and all(stager.state(c.index) is ChunkState.CLEAN for c in stager.chunks)
@@ -189,7 +189,7 @@ def test_fully_staged_model_opens_device_to_device(two):
     switch_now(core, b.name)
     rank = core.stats().last_switch["ranks"][0]
     assert core.stats().last_switch["path"] == "full_d2d"
-    assert rank["staged_bytes"] == rank["total_bytes"] == core.substrate.images[b.name].nbytes
+    assert rank["staged_bytes"] == rank["total_bytes"] == core.executor.substrate.images[b.name].nbytes
     assert rank["dirty_bytes"] == 0
     assert weights_match_host_image(core, b.name)
     assert tokens(run(core, [call("b", b.name, prompt)])["b"]) == refs[b.name].greedy(prompt, GREEDY.max_tokens)
@@ -230,7 +230,7 @@ def test_small_host_budget_evicts_and_restores_what_fits(two):
     files, refs = two
     a, b = files
     slabs = 4  # of 9 full pages per session
-    slab_bytes = engine(files, **SUBSTRATE).substrate.slab_bytes
+    slab_bytes = engine(files, **SUBSTRATE).executor.substrate.slab_bytes
     core = engine(files, **{**SUBSTRATE, "host_kv_bytes": slabs * slab_bytes})
     host = core.scheduler.memory.host
     assert host.num_slabs == slabs
@@ -263,14 +263,14 @@ def exhausted(two):
     a = files[0]
     kw = {**SUBSTRATE, "staging_chunk_bytes": 0}
     core = engine([a], **{**kw, "arena_bytes": arena_for_pages(a, 16, **kw)})
-    assert core.pages == 16
+    assert core.executor.pages == 16
     restores: list[tuple[int, int]] = []
-    before_step = core.substrate.before_step
+    before_step = core.executor.substrate.before_step
 
     def spy(ops):  # records every host->device page restore the plans carry
         restores.extend(ops.restores)
         return before_step(ops)
-    core.substrate.before_step = spy
+    core.executor.substrate.before_step = spy
     sampling = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompts = {f"r{i}": prompt_of(12, seed=20 + i) for i in range(4)}
     outs = run(core, [call(r, a.name, p, sampling) for r, p in prompts.items()])

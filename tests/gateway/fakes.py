@@ -32,6 +32,7 @@ from talaria.contracts.call import (
     CallOutput,
     FinishReason,
     InstanceCall,
+    InstanceReady,
     InstanceStats,
     Usage,
 )
@@ -47,7 +48,8 @@ from talaria.models.synthetic import (
 )
 from talaria.models.synthetic import byte_tokenizer as synthetic_byte_tokenizer
 from talaria.models.tokenizer import Tokenizer
-from talaria.node.errors import InstanceFailed
+from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.node.event_log import EventLog
 
 MODEL = "echo"
 # The synthetic models' template, plus a guard so tests can provoke a template error.
@@ -75,6 +77,9 @@ class FakeEchoGroup:
     name: str
     healthy: bool = True
     in_flight: int = 0
+    stats: InstanceStats | None = None  # the InstanceHandle attributes the router reads
+    ready: InstanceReady | None = None
+    restarts: int = 0
     fail_after: int | None = None
     hang_after: int | None = None
     eos_after: int | None = None
@@ -83,6 +88,13 @@ class FakeEchoGroup:
     calls: list[InstanceCall] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> InstanceConfig:
+        return InstanceConfig(self.name, Pool.HOT, (MODEL,))
+
+    async def switch(self, model: str, timeout: float) -> dict | None:
+        raise InstanceUnavailable(f"{self.name} is a fake: it serves {MODEL!r} only and never switches")
 
     async def generate(self, call: InstanceCall) -> AsyncIterator[CallOutput]:
         self.calls.append(call)
@@ -121,7 +133,7 @@ def fake_arch(max_position: int = 128) -> ModelArch:
 
 
 class FakeEchoSupervisor:
-    """The supervisor interface over in-process FakeEchoGroups (no engine processes)."""
+    """A NodeHandle over in-process FakeEchoGroups (no engine processes), with a real event log."""
 
     def __init__(self, groups: list[FakeEchoGroup] | None = None, *, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, router: RouterConfig | None = None,
@@ -131,9 +143,10 @@ class FakeEchoSupervisor:
             path=None,
             server=ServerConfig(api_key=api_key, max_body_bytes=max_body_bytes),
             models=(ModelConfig(MODEL, "synthetic:"),),
-            instances=tuple(InstanceConfig(g.name, Pool.HOT, (MODEL,)) for g in self.groups),
+            instances=tuple(g.config for g in self.groups),
             router=router or RouterConfig(policy=RouterPolicy.LEAST_PRESSURE),  # fakes carry no cost profile
         )
+        self.events = EventLog()
         self._tokenizer = byte_tokenizer()
         self._arch = fake_arch(max_position)
         self.instance_stats = [InstanceStats(g.name, waiting=1, running=2, kv_pages_used=3, kv_pages_total=12)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 class CopyEventsStandIn:
-    """Stands in for the copy engine's completion events: the test says which copies have finished.
+    """A `CopyEvents`: stands in for the copy engine's completion events: the test says which copies have finished.
 
-    `wait_copies` / `wait_staging` are what the planner calls when it would block on an event; here
+    `wait_save` / `wait_staging` are what the planner calls when it would block on an event; here
     they record the wait and mark the copy finished, as the event would once it fired.
     """
 
@@ -15,13 +15,13 @@ class CopyEventsStandIn:
         self.staging_finished = False
         self.waited: list[int | str] = []  # tickets waited on, and "staging"
 
-    def copies_done(self, ticket: int) -> bool:
+    def save_done(self, ticket: int) -> bool:
         return ticket in self.saves_finished
 
     def staging_done(self) -> bool:
         return self.staging_finished
 
-    def wait_copies(self, ticket: int) -> None:
+    def wait_save(self, ticket: int) -> None:
         self.waited.append(ticket)
         self.saves_finished.add(ticket)
 

@@ -1,4 +1,4 @@
-"""A scheduler wired as EngineCore wires it on rank 0, on real bookkeeping and an injected clock.
+"""A scheduler assembled as every instance is (talaria/instance/assembly.py), on an injected clock.
 
 No torch and no engine: a real BumpLayout, HostKVRegistry and MemoryPlanner, Batchers with host
 saves, a RoundScheduler with a toy profile whose costs are exact binary fractions, and a RankLedger
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from talaria.config.schema import Ablation, InstanceConfig, Pool
 from talaria.contracts.call import CallOutput, InstanceCall, SamplingParams
 from talaria.contracts.events import Event
 from talaria.contracts.profile import (
@@ -28,14 +29,14 @@ from talaria.contracts.profile import (
     SwitchCost,
 )
 from talaria.contracts.step_plan import MemoryOps, StepPlan, SwitchPlan
-from talaria.instance.batcher import Batcher
-from talaria.instance.cost_model import CostModel
-from talaria.instance.memory_planner import MemoryPlanner, full_h2d
-from talaria.instance.round_scheduler import RoundConfig, RoundScheduler
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.instance.assembly import ServedModel, assemble
+from talaria.instance.memory_planner import MemoryPlanner
+from talaria.instance.rounds import RoundConfig
 from talaria.instance.scheduler import Scheduler
 from talaria.memory.bump_layout import BumpLayout
 from talaria.memory.host_kv_registry import HostKVRegistry, RankReport
-from talaria.memory.page_manager import ROOT_HASH, PageManager, page_hash
+from talaria.memory.page_manager import ROOT_HASH, page_hash
 from talaria.memory.rank_ledger import RankLedger
 from talaria.memory.switch_record import RankSwitchRecord, SwitchRecord
 from tests.instance.copy_events import CopyEventsStandIn
@@ -57,7 +58,7 @@ def toy_profile(models: Seq[str]) -> Profile:
     return Profile("toy", "cpu", 1, 3584, "2026-11-30T00:00:00+00:00", "hand-written for tests",
                    Bandwidth(kv_per_token / RESTORE_S, kv_per_token / RESTORE_S, 1e12),
                    {m: ModelProfile(m, WEIGHTS[m], kv_per_token, PrefillCurve(0.0, PREFILL_S),
-                                    DecodeCurve(DECODE_S, 0.0), {"h2d_only": SwitchCost("h2d_only", (0, SWITCH_S, 0, 0, 0))})
+                                    DecodeCurve(DECODE_S, 0.0), {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0, SWITCH_S, 0, 0, 0))})
                     for m in models})
 
 
@@ -71,7 +72,7 @@ class FakeClock:
 
 @dataclass
 class Instance:
-    """A scheduler wired as EngineCore wires it on rank 0, plus a one-rank stand-in for the runners."""
+    """An assembled scheduler, plus a one-rank stand-in for the runners."""
 
     scheduler: Scheduler
     memory: MemoryPlanner
@@ -138,29 +139,24 @@ class Instance:
         return out
 
 
-def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds: RoundConfig | None = ROUNDS,
-             hot: bool = False, extra_pages: int = 0, learn: bool = True, hkvr: bool = True) -> Instance:
-    """An instance serving `models`, the first one opened at `now` (as EngineCore does at start).
+def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds: RoundConfig = ROUNDS,
+             extra_pages: int = 0, learn: bool = True, hkvr: bool = True) -> Instance:
+    """An instance serving `models`, assembled as every instance is, the first model open at `now`.
     `learn`: the cost model folds measured step times in (off: predictions stay the profile's).
     `hkvr`: a host KV registry (off: KV dropped at a switch is recomputed)."""
-    layout = BumpLayout(3584 + extra_pages * PAGE_BYTES, 256)
+    arena = 3584 + extra_pages * PAGE_BYTES
+    layout = BumpLayout(arena, 256)
     for m in models:
         layout.register(m, WEIGHTS[m], PAGE_BYTES)
-    host = HostKVRegistry(16, PAGE_BYTES) if hkvr else None
-    events = CopyEventsStandIn()
-    memory = MemoryPlanner(layout, {m: WEIGHTS[m] for m in models}, PS, host, None, False,
-                           events.copies_done, events.staging_done, events.wait_copies, events.wait_staging)
-    batchers = {m: Batcher(m, PageManager(layout.plan(m).num_pages, PS), max_batch_tokens, 8, 64, (2,), host)
-                for m in models}
-    clock = FakeClock(now)
-    costs = CostModel(toy_profile(models), alpha=0.2 if learn else 0.0)
-    config = RoundConfig(**{**{f: getattr(rounds, f) for f in RoundConfig.__slots__}, "max_batch_tokens": max_batch_tokens})
-
-    def build(batchers, clock, emit, switch_path, known):
-        return RoundScheduler(batchers, costs, clock, config, emit, switch_path, known, PS)
-    s = Scheduler("inst0", batchers, clock, memory, None if hot else build)
-    s.switched(SwitchPlan(models[0], full_h2d(WEIGHTS[models[0]])), None, [])
-    return Instance(s, memory, host, events, clock, RankLedger(0, PS))
+    config = InstanceConfig("inst0", Pool.COLD, models, arena_bytes=arena, page_size=PS,
+                            max_batch_tokens=max_batch_tokens, max_running=8,
+                            host_kv_bytes=16 * PAGE_BYTES if hkvr else 0, ablations=(Ablation.STAGING,))
+    round_config = RoundConfig(**{**{f: getattr(rounds, f) for f in RoundConfig.__slots__},
+                                  "max_batch_tokens": max_batch_tokens})
+    events, clock = CopyEventsStandIn(), FakeClock(now)
+    served = [ServedModel(m, WEIGHTS[m], PAGE_BYTES, 64, (2,)) for m in models]
+    s = assemble(config, layout, served, toy_profile(models), events, clock, learn=learn, rounds=round_config)
+    return Instance(s, s.memory, s.memory.host, events, clock, RankLedger(0, PS))
 
 
 def call(request_id: str, model: str = "a", prompt: Seq[int] = PROMPT, max_tokens: int = 16) -> InstanceCall:

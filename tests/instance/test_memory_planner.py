@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from talaria.contracts.call import InstanceCall, SamplingParams
 from talaria.contracts.step_plan import MemoryOps
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.batcher import Batcher
 from talaria.instance.memory_planner import MemoryPlanner, full_h2d
 from talaria.instance.sequence import Sequence
 from talaria.memory.bump_layout import BumpLayout, Region
 from talaria.memory.host_kv_registry import HostKVRegistry
 from talaria.memory.page_manager import PageManager
-from talaria.memory.stager import ChunkState, GatherPlan, Stager, SwitchPath
+from talaria.memory.stager import ChunkState, GatherPlan, Stager
 from tests.instance.copy_events import CopyEventsStandIn
 
 PS = 4
@@ -61,7 +62,7 @@ def rank0(*models: str, poison: bool = False) -> Rank0:
     events = CopyEventsStandIn()
     stager = Stager(CHUNK)
     memory = MemoryPlanner(layout, {m: WEIGHTS[m] for m in models}, PS, HostKVRegistry(8, PAGE_BYTES), stager,
-                           poison, events.copies_done, events.staging_done, events.wait_copies, events.wait_staging)
+                           poison, events)
     batcher = Batcher("a", None, 64, 8, 64, (2,))
     batcher.resume(memory.new_pool("a"))
     memory.switched("a", models[1])

@@ -12,7 +12,7 @@ import dataclasses
 
 from talaria.contracts.call import InstanceCall, SamplingParams
 from talaria.contracts.events import Event
-from talaria.instance.round_scheduler import RoundConfig
+from talaria.instance.rounds import RoundConfig
 from tests.instance.scheduler_harness import DECODE_S, ROUNDS, instance
 
 T1 = tuple(range(100, 108))  # two full pages: a session's first prompt

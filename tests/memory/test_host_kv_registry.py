@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from talaria.contracts.vocabulary import KVLocation
 from talaria.memory.host_kv_registry import (
     HostKVRegistry,
-    KVLocation,
     RankReport,
     RegistryStats,
     SaveEntry,

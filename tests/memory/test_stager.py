@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.memory.bump_layout import BumpLayout, LayoutPlan, Region
-from talaria.memory.stager import ChunkState, Stager, StagingError, SwitchPath
+from talaria.memory.stager import ChunkState, Stager, StagingError
 
 CHUNK = 4096
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from talaria.memory.stager import SwitchPath
+from talaria.contracts.vocabulary import SwitchPath
 from talaria.memory.switch_record import (
     RankSwitchRecord,
     SwitchPhase,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.config.schema import Overload, RouterConfig, RouterPolicy
+from talaria.config.schema import Overload, Pool, RouterConfig, RouterPolicy
 from talaria.contracts.profile import (
     Bandwidth,
     DecodeCurve,
@@ -19,13 +19,16 @@ from talaria.contracts.profile import (
     SwitchCost,
 )
 from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
-from talaria.routing.router import InstanceView, Reason, Router, RouteRequest
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.routing.decision import Reason, RouteRequest
+from talaria.routing.instance_view import InstanceView
+from talaria.routing.router import Router
 
 KV_PER_TOKEN = 1024
 PROFILE = Profile("toy", "cpu", 1, 1 << 30, "2026-11-30T00:00:00+00:00", "hand-written for tests",
                   Bandwidth(KV_PER_TOKEN / 0.00025, KV_PER_TOKEN / 0.00025, 1e12),
                   {m: ModelProfile(m, 1 << 30, KV_PER_TOKEN, PrefillCurve(0.0, 0.001), DecodeCurve(0.01, 0.0),
-                                   {"h2d_only": SwitchCost("h2d_only", (0.0, 2.0, 0.0, 0.0, 0.0))})
+                                   {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0.0, 2.0, 0.0, 0.0, 0.0))})
                    for m in ("m", "n")})
 
 
@@ -42,7 +45,7 @@ def snapshot(name: str, active: str | None = "m", waiting: int = 0, sessions=(),
     queues = tuple(ModelQueue(m, 1 if m in busy else 0, 0, m == active) for m in ("m", "n"))
     rounds = RoundState(1, 0.0, None, {}, 0, 0, (), {}, round_s=10.0)
     return InstanceStats(name, waiting, 0, 0, 1000, models=("m", "n"), active_model=active, version=version,
-                         pool="cold", queues=queues, rounds=rounds, sessions=tuple(sessions), page_size=16)
+                         pool=Pool.COLD, queues=queues, rounds=rounds, sessions=tuple(sessions), page_size=16)
 
 
 def router(*views: tuple[str, InstanceStats], clock: Clock, **config) -> tuple[Router, list[tuple]]:

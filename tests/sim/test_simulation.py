@@ -72,7 +72,7 @@ def test_the_cli_compares_variants_and_writes_the_json(tmp_path):
     trace_path, profile_path = tmp_path / "t.jsonl", tmp_path / "p.toml"
     with trace_path.open("w") as f:
         write_trace(agent_trace(4, 3), f)
-    from talaria.contracts.profile import save_profile
+    from talaria.contracts.profile_file import save_profile
     save_profile(dataclasses.replace(PROFILE, device_bytes=16 << 30), profile_path)  # its own topology
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(cli, ["sim", "--profile", str(profile_path), "--trace", str(trace_path),
@@ -93,7 +93,7 @@ def test_the_cli_says_which_models_a_profile_lacks(tmp_path):
     trace_path, profile_path = tmp_path / "t.jsonl", tmp_path / "p.toml"
     with trace_path.open("w") as f:
         write_trace([dataclasses.replace(c, model="zzz") for c in agent_trace(1, 1)], f)
-    from talaria.contracts.profile import save_profile
+    from talaria.contracts.profile_file import save_profile
     save_profile(PROFILE, profile_path)
     result = CliRunner().invoke(cli, ["sim", "--profile", str(profile_path), "--trace", str(trace_path)])
     assert result.exit_code != 0 and "zzz" in result.output and "Traceback" not in result.output

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from talaria.config.schema import Pool
 from talaria.contracts.profile import (
     Bandwidth,
     DecodeCurve,
@@ -25,7 +26,7 @@ def model(name: str, weights: int, kv_per_token: int) -> ModelProfile:
 PROFILE = Profile("cpu: test", "cpu", 2, 200_000, "2026-01-01T00:00:00+00:00", "test", Bandwidth(1e9, 1e9, 1e9),
                   {"a": model("a", 50_000, 64), "b": model("b", 20_000, 64)})
 STATS = InstanceStats("cold-0", waiting=0, running=1, kv_pages_used=10, kv_pages_total=100, models=("a", "b"),
-                      active_model="a", page_size=16, pool="cold",
+                      active_model="a", page_size=16, pool=Pool.COLD,
                       substrate={"staged_model": "b", "staging_coverage": 0.5})
 
 

@@ -1,0 +1,136 @@
+"""One worker process of an engine group, once spawned: join the group, build the rank, serve.
+
+Every rank joins the group's torch.distributed process group (gloo on CPU, NCCL on CUDA) and builds
+its `Executor`. Rank 0 starts the `Driver` and talks to the supervisor over a pipe: it drains calls
+and cancels between steps, steps while there is work, and sends outputs and periodic stats back.
+Other ranks follow rank 0's plans until it broadcasts a stop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from talaria.config.schema import Device, InstanceConfig
+from talaria.contracts.call import (
+    CallOutput,
+    CancelCall,
+    FinishReason,
+    InstanceCall,
+    InstanceReady,
+    Shutdown,
+    SwitchDone,
+    SwitchModel,
+)
+from talaria.executor.driver import Driver, start_driver
+from talaria.executor.executor import Executor
+from talaria.executor.parallel import TPGroup
+from talaria.executor.probes import Probes
+from talaria.memory.rank_ledger import TestOnlyFault
+from talaria.models.source import ModelFiles
+
+STATS_EVERY_S = 0.25
+IDLE_POLL_S = 0.5
+
+
+def run_rank(instance: InstanceConfig, models: list[ModelFiles], rank: int, master_port: int, threads: int,
+             conn: Connection | None, fault: TestOnlyFault | None = None, probes: Probes | None = None) -> None:
+    """The whole life of one rank; `conn` is rank 0's pipe to the supervisor (None on other ranks)."""
+    torch.set_num_threads(threads)
+    tp = instance.tp
+    if tp > 1:
+        backend = "nccl" if instance.device is Device.CUDA else "gloo"
+        if instance.device is Device.CUDA:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}",
+                                rank=rank, world_size=tp, timeout=timedelta(days=7))
+    t0 = time.monotonic()
+    try:
+        executor = Executor(instance, models, TPGroup(rank, tp), fault=fault)
+        driver = start_driver(executor, probes=probes) if rank == 0 else None
+    except Exception as e:
+        if conn is not None:
+            conn.send([InstanceReady(instance.name, (), 0, 0.0, error=f"{type(e).__name__}: {e}")])
+        raise
+    if driver is None:
+        while executor.follow():
+            pass
+        return
+    conn.send([InstanceReady(instance.name, tuple(m.name for m in models), executor.pages,
+                             time.monotonic() - t0, profile=driver.profile),
+               driver.stats()])  # the router places nothing on an instance it has no snapshot of
+    _serve(driver, conn)
+
+
+def _force_switch(driver: Driver, msg: SwitchModel, waiting: list) -> list:
+    sched = driver.scheduler
+    if msg.model not in sched.batchers:
+        return [SwitchDone(msg.request_id, None, f"instance {sched.instance} does not serve {msg.model!r}")]
+    if sched.active == msg.model:
+        return [SwitchDone(msg.request_id, None)]
+    sched.force_switch(msg.model)
+    waiting.append((msg, len(sched.switches)))
+    return []
+
+
+def _switched(driver: Driver, waiting: list) -> list:
+    """Answer admin switches whose switch has happened."""
+    sched, done = driver.scheduler, []
+    for item in list(waiting):
+        msg, mark = item
+        if len(sched.switches) > mark and sched.active == msg.model:
+            done.append(SwitchDone(msg.request_id, sched.switches[-1].to_dict()))
+            waiting.remove(item)
+    return done
+
+
+def _serve(driver: Driver, conn: Connection) -> None:
+    """Rank 0's loop: messages in, steps, outputs out."""
+    last_stats = 0.0
+    in_flight: set[str] = set()
+    switches: list[tuple[SwitchModel, int]] = []  # admin switches waiting for their record
+    try:
+        while True:
+            out: list = []
+            timeout = 0 if driver.has_work else IDLE_POLL_S
+            while conn.poll(timeout):
+                msg = conn.recv()
+                timeout = 0
+                if isinstance(msg, InstanceCall):
+                    in_flight.add(msg.request_id)
+                    out += driver.add(msg)
+                elif isinstance(msg, CancelCall):
+                    out += driver.cancel(msg.request_id)
+                elif isinstance(msg, SwitchModel):
+                    out += _force_switch(driver, msg, switches)
+                elif isinstance(msg, Shutdown):
+                    driver.stop()
+                    return
+            if driver.has_work or switches:
+                out += driver.step()
+            out += _switched(driver, switches)
+            out += driver.scheduler.drain_events()
+            now = time.monotonic()
+            if now - last_stats >= STATS_EVERY_S:
+                out.append(driver.stats())
+                last_stats = now
+            if out:
+                for o in out:
+                    if isinstance(o, CallOutput) and o.finish is not None:
+                        in_flight.discard(o.request_id)
+                conn.send(out)
+    except (EOFError, BrokenPipeError):
+        os._exit(0)  # the supervisor is gone: nobody to serve
+    except Exception as e:  # noqa: BLE001 -- whatever broke, fail the calls and let the group restart
+        message = f"engine error: {type(e).__name__}: {e}"
+        traceback.print_exc()
+        try:
+            conn.send([CallOutput(r, (), FinishReason.ERROR, error=message) for r in in_flight])
+        finally:
+            os._exit(1)  # the group's state is unknown: let the supervisor restart it

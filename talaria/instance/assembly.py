@@ -1,0 +1,72 @@
+"""One instance's policy objects, built in one place for the live rank 0, the simulator and tests.
+
+An instance is a `Scheduler` over one `Batcher` per served model, a `MemoryPlanner` over the bump
+layout, the host KV registry and the stager, and on a cold pool (or any instance serving several
+models) a `RoundScheduler` that budgets rounds with a `CostModel` over the cost profile. What differs
+between the three callers is passed in, not re-assembled: the arena's `BumpLayout` (the substrate's
+on the live node, one sized from the profile in the simulator, a toy one in tests), the copy engine's
+completion events (`CopyEvents`), the clock, and whether costs learn from measured step times.
+The first model is open when this returns, as every caller opens it before anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from talaria.config.schema import Ablation, InstanceConfig, Pool
+from talaria.contracts.profile import Profile
+from talaria.contracts.step_plan import SwitchPlan
+from talaria.instance.batcher import Batcher
+from talaria.instance.cost_model import EWMA_ALPHA, CostModel
+from talaria.instance.memory_planner import CopyEvents, MemoryPlanner, full_h2d
+from talaria.instance.round_scheduler import RoundScheduler
+from talaria.instance.rounds import RoundConfig
+from talaria.instance.scheduler import Scheduler
+from talaria.memory.bump_layout import ALIGN, BumpLayout
+from talaria.memory.host_kv_registry import HostKVRegistry
+from talaria.memory.page_manager import PageManager
+from talaria.memory.stager import Stager
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What an instance's policy needs to know about one model it serves."""
+
+    name: str
+    weights_bytes: int  # per rank: the bytes a switch opens
+    page_bytes: int  # one KV page, per rank; host KV slabs hold the largest model's page
+    max_context: int  # tokens a sequence may reach, prompt and output together
+    eos_token_ids: tuple[int, ...]  # end a sequence (unless the call ignores EOS)
+
+
+def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[ServedModel], profile: Profile,
+             copies: CopyEvents, clock: Callable[[], float], *, learn: bool = True, version_base: int = 0,
+             rounds: RoundConfig | None = None) -> Scheduler:
+    """The instance's `Scheduler`, with the first of `models` open.
+
+    `layout` must have every model registered. `learn`: the cost model folds measured step times in
+    (the live node; off, predictions stay the profile's). `version_base`: where snapshot versions
+    start (a restarted instance passes its start time, so its snapshots look newer). `rounds`: the
+    round configuration, when not the one `config` asks for (tests)."""
+    ps = config.page_size
+    weights = {m.name: m.weights_bytes for m in models}
+    slab_bytes = max(m.page_bytes for m in models)
+    slabs = config.host_kv_bytes // slab_bytes if config.enabled(Ablation.HKVR) else 0
+    host = HostKVRegistry(slabs, slab_bytes) if slabs else None
+    stager = Stager(config.staging_chunk_bytes, ALIGN) if config.enabled(Ablation.STAGING) and len(models) > 1 else None
+    memory = MemoryPlanner(layout, weights, ps, host, stager, config.debug_poison, copies)
+    batchers = {m.name: Batcher(m.name, PageManager(layout.plan(m.name).num_pages, ps), config.max_batch_tokens,
+                                config.max_running, m.max_context, m.eos_token_ids, host) for m in models}
+    build_rounds = None
+    if config.pool is Pool.COLD or len(models) > 1:
+        round_config = rounds if rounds is not None else RoundConfig.of(config)
+        costs = CostModel(profile, alpha=EWMA_ALPHA if learn else 0.0)
+
+        def build_rounds(batchers, clock, emit, switch_path, known):
+            return RoundScheduler(batchers, costs, clock, round_config, emit, switch_path, known, ps)
+    scheduler = Scheduler(config.name, batchers, clock, memory, build_rounds, version_base=version_base,
+                          record_steps=config.record_steps)
+    first = models[0].name
+    scheduler.switched(SwitchPlan(first, full_h2d(weights[first])), None, [])
+    return scheduler

@@ -1,0 +1,156 @@
+"""The cost terms of placement: Eq. (1) for a candidate instance and Eq. (2)'s replica price.
+
+`Cost = dR_req + C_kv + C_act`, in seconds, each term charged once:
+- `dR_req`: the queue ahead of the call (calls waiting or sent since the snapshot, and other
+  sessions' live leases, each an admission unit), the wait for the model's slot on a cold instance
+  where it is not active, the prefill of the prompt past the reusable prefix, and the decode of its
+  tokens;
+- `C_kv`: 0 for a device-resident prefix, its restore for a host-restorable one, its recompute
+  otherwise (and on every instance other than the session's own);
+- `C_act`: 0 when the model is active there, the staged switch cost when it is staged, a full H2D
+  open otherwise.
+A candidate must also pass the round-admission check (the call would start within `admit_rounds`
+rounds, or `max_queue_s` on a hot instance) and the HBM check (its KV fits the pool). A replica (an
+instance that must open a model another instance holds) is worth it only when its gain beats
+`T_swap + mu * dW + nu` (Eq. (2)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from talaria.config.schema import RouterConfig
+from talaria.contracts.profile import ModelProfile
+from talaria.contracts.vocabulary import KVLocation, SwitchPath
+from talaria.routing.decision import RouteRequest
+from talaria.routing.instance_view import InstanceView
+from talaria.routing.leases import Lease, LeaseTable
+from talaria.routing.sessions import LastCall
+
+GIB = float(1 << 30)
+LOCATIONS = {loc.value: loc for loc in KVLocation}  # a snapshot's location, as sent (str) or pickled (enum)
+
+
+@dataclass(slots=True)
+class Terms:
+    """One model's call-independent cost terms on one instance, from its latest snapshot."""
+
+    model: ModelProfile
+    active: bool
+    staged: bool
+    c_act_s: float  # 0 active; the staged switch; else an H2D open
+    slot_wait_s: float  # a cold instance where the model is not active: the rest of the round
+    free_pages: int  # KV pages the model's pool has free
+    admit_s: float  # round admission: the latest start a call may be predicted to have
+
+
+@dataclass(slots=True)
+class Cost:
+    """Eq. (1) for one candidate, in seconds; dR_req is split into its queue, prefill and decode."""
+
+    instance: str
+    queue_s: float  # calls ahead (and the wait for the model's slot on a cold instance)
+    prefill_s: float  # the prompt past the reusable prefix
+    decode_s: float  # the call's output tokens
+    c_kv_s: float
+    c_act_s: float
+    kv: KVLocation  # what C_kv charged for the session's prefix
+    opens: bool  # the instance must open the model: not active, staged or with calls queued there
+    total_s: float  # dR_req + C_kv + C_act, summed once: a decision compares it many times
+
+    @property
+    def delta_r_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.decode_s
+
+    @property
+    def start_s(self) -> float:
+        """Until the call's first token: what the round-admission check bounds."""
+        return self.queue_s + self.c_act_s + self.c_kv_s + self.prefill_s
+
+
+class PlacementCosts:
+    """Eq. (1) and (2) over the router's views, with the router's knobs and its live leases."""
+
+    def __init__(self, config: RouterConfig, leases: LeaseTable) -> None:
+        self.config = config
+        self.leases = leases
+
+    def terms(self, view: InstanceView, model: str) -> Terms | None:
+        """The model's call-independent terms on `view` (cached until its next snapshot)."""
+        t = view.terms.get(model)
+        if t is None:
+            p, s = view.profile, view.snapshot
+            mp = p.models.get(model)
+            if mp is None:
+                return None
+            active, staged = s.active_model == model, s.staged_model == model
+            if active:
+                c_act = 0.0
+            else:
+                coverage = s.substrate.get("staging_coverage", 0.0) if staged else 0.0
+                c_act = p.switch_s(model, SwitchPath.for_coverage(coverage))
+            wait = s.rounds.round_remaining_s if (s.rounds is not None and not active) else 0.0
+            free = s.kv_pages_total - (s.kv_pages_used if active else 0)
+            admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
+            t = view.terms[model] = Terms(mp, active, staged, c_act, wait, free, admit)
+        return t
+
+    def cost(self, view: InstanceView, req: RouteRequest, last: LastCall | None, mean_prompt: int) -> Cost | None:
+        """Eq. (1) on `view`; `last`: where the session's previous call finished; `mean_prompt`:
+        the model's mean prompt in tokens (what each call queued ahead is charged)."""
+        t = self.terms(view, req.model)
+        if t is None:
+            return None
+        mp = t.model
+        reusable, kv = 0, KVLocation.MISSING
+        if last is not None:
+            reusable = min(last.kv_tokens, max(0, req.prompt_tokens - 1))
+            if last.instance == view.name:
+                kv = self.location(view, req, last.done_at)
+        if kv is KVLocation.DEVICE:
+            c_kv = 0.0
+        elif kv is KVLocation.HOST:
+            c_kv = reusable * mp.kv_bytes_per_token / view.profile.bandwidth.restore
+        else:
+            c_kv = mp.prefill.seconds(reusable)
+        ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
+        queue = ahead * mp.prefill.seconds(mean_prompt) + t.slot_wait_s
+        batch = view.snapshot.running + 1
+        decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens)
+        prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable)
+        return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
+                    queue + prefill + decode + c_kv + t.c_act_s)
+
+    def admits(self, view: InstanceView, req: RouteRequest, cost: Cost) -> bool:
+        """Round admission (the call starts within `admit_rounds` rounds, or `max_queue_s` on a hot
+        instance) and HBM (its KV fits what the model's pool has free)."""
+        t = view.terms[req.model]
+        if cost.start_s > t.admit_s:
+            return False
+        return -(-(req.prompt_tokens + req.max_tokens) // max(1, view.snapshot.page_size)) <= t.free_pages
+
+    def replica_price(self, view: InstanceView, model: str, cost: Cost) -> float:
+        """T_swap + mu_j * dW_m + nu_m (Eq. (2)): what opening `model` on this instance must beat."""
+        s = view.snapshot
+        pressure = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 1.0
+        mu = self.config.hbm_price_s_per_gib * (1.0 + pressure)
+        return cost.c_act_s + mu * view.terms[model].model.weights_bytes / GIB + self.config.replica_penalty_s
+
+    @staticmethod
+    def location(view: InstanceView, req: RouteRequest, done_at: float) -> KVLocation:
+        """Where the instance says the session's prefix is. A snapshot older than the session's last
+        completion cannot know, and a snapshot lists only its most recent sessions, so an unlisted
+        prefix counts as kept (device) until a snapshot lists it elsewhere."""
+        entry = view.listed.get((req.session, req.model))
+        if entry is None or not entry[0]:
+            return KVLocation.DEVICE  # unknown, or not one full page: nothing to lose, nothing to recompute
+        if view.received_at <= done_at:
+            return KVLocation.DEVICE
+        return entry[1]
+
+    @classmethod
+    def prefix_kept(cls, view: InstanceView, req: RouteRequest, lease: Lease) -> bool:
+        """The lease's instance still holds the session's prefix, on the device or the host."""
+        if view.snapshot is None or view.received_at <= lease.t_done:
+            return True
+        return cls.location(view, req, lease.t_done) is not KVLocation.MISSING
