@@ -36,7 +36,7 @@ from talaria.contracts.profile_file import load_profile, save_profile
 from talaria.contracts.step_plan import MemoryOps, SeqChunk, StepPlan, SwitchPlan
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.executor.curve_fit import fit_decode, fit_prefill
-from talaria.executor.probes import Probes
+from talaria.executor.probes import FULL, Probes
 from talaria.instance.memory_planner import full_h2d
 from talaria.memory.bump_layout import ALIGN, Region
 from talaria.memory.stager import Stager
@@ -50,7 +50,7 @@ PROBE_ID = -1_000_000  # sequence ids of probes: below anything a scheduler hand
 PROFILE_CACHE_AGE_S = 7 * 24 * 3600.0  # a start-up profile is measured again after a week
 
 
-def calibrate(executor: Executor, probes: Probes = Probes(), method: str = "start-up calibration",
+def calibrate(executor: Executor, probes: Probes = FULL, method: str = "start-up calibration",
               progress: Callable[[str], None] = lambda line: None) -> Profile:
     """Rank 0 only, with every other rank in `follow()`: time the probes and fit a Profile.
     `progress` gets one line per stage (`talaria profile` prints them)."""

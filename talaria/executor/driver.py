@@ -20,7 +20,7 @@ from talaria.contracts.profile_file import load_profile
 from talaria.contracts.step_plan import SwitchPlan
 from talaria.executor.calibrate import cached_calibration, calibrate
 from talaria.executor.executor import Executor
-from talaria.executor.probes import QUICK, Probes
+from talaria.executor.probes import FULL, QUICK, Probes
 from talaria.executor.sampler import Sampler
 from talaria.instance.assembly import assemble
 from talaria.instance.scheduler import Scheduler
@@ -91,7 +91,7 @@ def start_driver(executor: Executor, clock: Callable[[], float] = time.monotonic
     elif inst.profile:
         profile = load_profile(inst.profile)
     else:
-        profile = cached_calibration(executor, Probes() if rounds else QUICK)
+        profile = cached_calibration(executor, FULL if rounds else QUICK)
     missing = [n for n in names if n not in profile.models]
     if missing:
         raise ValueError(f"profile {inst.profile} has no costs for {', '.join(missing)}; run "

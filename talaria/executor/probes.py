@@ -23,3 +23,4 @@ class Probes:
 
 QUICK = Probes(prefill_tokens=(16, 128), cached_tokens=(128,), decode_batches=(1, 8), decode_contexts=(64,),
                repeats=2, copy_bytes=8 << 20, staged_switches=False)  # hot instances: the router's cost model, in a second or two
+FULL = Probes()  # start-up calibration of an instance that budgets rounds from its profile
