@@ -8,9 +8,10 @@ from typing import NoReturn
 import click
 
 from talaria.config.errors import ConfigError
-from talaria.config.loader import check_files, default_config_path, load_config
+from talaria.config.loader import default_config_path, load_config
 from talaria.config.schema import TalariaConfig
 from talaria.config.tables import format_size
+from talaria.node.preflight import check_files
 
 EXIT_INVALID = 2  # the config has problems (click also uses 2 for usage errors)
 

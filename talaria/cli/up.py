@@ -32,9 +32,10 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
     import uvicorn
 
     from talaria.config.errors import ConfigError
-    from talaria.config.loader import check_files, default_config_path, load_config
+    from talaria.config.loader import default_config_path, load_config
     from talaria.gateway.gateway import create_app
     from talaria.node.errors import InstanceFailed
+    from talaria.node.preflight import check_files
     from talaria.node.supervisor import Supervisor
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

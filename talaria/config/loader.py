@@ -1,19 +1,15 @@
-"""Build a `TalariaConfig` from `talaria.toml`, then check it against files and devices.
+"""Build a `TalariaConfig` from `talaria.toml`, checking its structure.
 
-Two stages, so `talaria config check` is instant and `talaria up` fails before it starts anything:
-
-- `load_config` / `parse_config` check structure: keys, types, sizes, enums, names, references, and
-  tp against the heads of synthetic models (their shape is in the file). They read no other file.
-- `check_files` reads each model's metadata, checks tp against its heads, CUDA, and whether every
-  arena holds its largest model.
-
-Both collect every problem and raise one `ConfigError` that lists them all.
+`load_config` / `parse_config` check keys, types, sizes, enums, names, references, and tp against
+the heads of synthetic models (their shape is in the file). They read no other file, so
+`talaria config check` is instant. The checks against model files and devices, which `talaria up`
+runs before it starts anything, are `talaria.node.preflight.check_files`. Both collect every
+problem and raise one `ConfigError` that lists them all.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import tomllib
 from importlib import resources
@@ -21,8 +17,6 @@ from pathlib import Path
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import (
-    DTYPE_BYTES,
-    Device,
     InstanceConfig,
     ModelConfig,
     Pool,
@@ -34,7 +28,6 @@ from talaria.config.schema import (
 )
 from talaria.config.tables import (
     Problems,
-    format_size,
     one_of,
     read_array,
     read_single,
@@ -42,8 +35,6 @@ from talaria.config.tables import (
     unknown_key,
 )
 from talaria.contracts.arch import ModelArch
-
-MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
 
 _TOP = ("server", "models", "instances", "router", "telemetry")
 _PYPI = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -112,45 +103,6 @@ def tp_misfits(tp: int, arch: ModelArch) -> list[str]:
     if arch.intermediate_size % tp:
         why.append(f"does not divide {{the}} intermediate size {arch.intermediate_size}")
     return why
-
-
-def params_per_rank(arch: ModelArch, tp: int) -> int:
-    """Parameters one of `tp` ranks holds, as the engine shards them (an estimate to size arenas).
-
-    Attention and MLP projections are split over tp (a KV head is replicated when tp exceeds the
-    KV heads), embedding and LM head are split by vocabulary (rounded up), norms are replicated.
-    """
-    q, kv = math.ceil(arch.q_size / tp), arch.head_dim * math.ceil(arch.num_kv_heads / tp)
-    attn = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size
-    attn += (q + 2 * kv if arch.attention_bias else 0) + (2 * arch.head_dim if arch.qk_norm else 0)
-    layer = attn + 3 * arch.hidden_size * math.ceil(arch.intermediate_size / tp) + 2 * arch.hidden_size
-    emb = math.ceil(arch.vocab_size / tp) * arch.hidden_size
-    return arch.num_layers * layer + emb * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
-
-
-def check_files(cfg: TalariaConfig) -> list[str]:
-    """The checks `talaria up` runs before starting anything; informational lines if they pass.
-
-    Reads every model's metadata (no weights), checks tp against each model's heads, that CUDA is
-    there for cuda instances (importing torch only then), and that each arena holds its largest
-    model plus `MIN_KV_PAGES` KV pages. Raises `ConfigError` listing every problem.
-    """
-    probs, info = Problems(str(cfg.path) if cfg.path is not None else "<config>"), []
-    archs = _model_archs(cfg, probs, info)
-    for inst in cfg.instances:
-        where = f"[[instances]] {toml_value(inst.name)}"
-        known = {m: archs[m] for m in inst.models if m in archs}
-        _check_tp(inst, known, where, probs)
-        fitting = {m: a for m, a in known.items() if not tp_misfits(inst.tp, a)}
-        _check_arena(cfg, inst, fitting, where, probs, info)
-    cuda = [i for i in cfg.instances if i.device is Device.CUDA]
-    if cuda:
-        _check_cuda(cuda, probs, info)
-    for m in cfg.models:
-        if not cfg.instances_serving(m.name):
-            info.append(f'note: model "{m.name}" is in [[models]] but no instance serves it')
-    probs.raise_if_any()
-    return info
 
 
 def _check_models(models: list[tuple[str, ModelConfig]], probs: Problems) -> dict[str, ModelArch]:
@@ -233,10 +185,10 @@ def _check_instances(instances: list[tuple[str, InstanceConfig]], model_names: s
         for key, example in (("ttft_s", 2.0), ("tpot_s", 0.25)):
             if getattr(inst, key) <= 0:
                 probs.add(where, f"{key} = {getattr(inst, key)} must be above 0, e.g. {key} = {example}")
-        _check_tp(inst, {m: archs[m] for m in dict.fromkeys(inst.models) if m in archs}, where, probs)
+        check_tp(inst, {m: archs[m] for m in dict.fromkeys(inst.models) if m in archs}, where, probs)
 
 
-def _check_tp(inst: InstanceConfig, archs: dict[str, ModelArch], where: str, probs: Problems) -> None:
+def check_tp(inst: InstanceConfig, archs: dict[str, ModelArch], where: str, probs: Problems) -> None:
     """Report each model in `archs` that `inst.tp` cannot shard, suggesting tps that fit them all."""
     top = max((a.num_heads for a in archs.values()), default=1)
     fits = [str(t) for t in range(1, top + 1) if not any(tp_misfits(t, a) for a in archs.values())]
@@ -248,76 +200,3 @@ def _check_tp(inst: InstanceConfig, archs: dict[str, ModelArch], where: str, pro
             text = why[0].format(the="the") + f' of model "{name}"'
             text += "".join(f" and {w.format(the='its')}" for w in why[1:])
             probs.add(where, f"tp = {inst.tp} {text}; {fix}")
-
-
-def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:
-    archs = {}
-    for m in cfg.models:
-        from talaria.models.errors import (
-            ModelSourceError,  # model readers load on demand
-        )
-        from talaria.models.source import model_arch
-
-        try:  # synthetic models too: model_arch builds theirs from the shape
-            archs[m.name] = model_arch(m, cfg.path.parent if cfg.path is not None else None)
-        except ModelSourceError as e:
-            probs.add(f"[[models]] {toml_value(m.name)}", str(e))
-            continue
-        a = archs[m.name]
-        info.append(f'model "{m.name}": {a.family}, {a.param_count() / 1e6:.1f}M parameters, '
-                    f"{a.num_heads} query / {a.num_kv_heads} KV heads, context {a.max_position}")
-    return archs
-
-
-def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, ModelArch], where: str,
-                 probs: Problems, info: list[str]) -> None:
-    """The arena must hold the largest model (cold models take turns) and a minimal KV pool."""
-    if not archs:
-        return
-    need = {}  # model -> (weight bytes, bytes of MIN_KV_PAGES pages) on one rank
-    for name, arch in archs.items():
-        size = DTYPE_BYTES[cfg.model(name).dtype]
-        kv_heads = math.ceil(arch.num_kv_heads / inst.tp)
-        page = inst.page_size * 2 * arch.num_layers * kv_heads * arch.head_dim * size
-        need[name] = (params_per_rank(arch, inst.tp) * size, MIN_KV_PAGES * page)
-    name, (weights, kv) = max(need.items(), key=lambda item: sum(item[1]))
-    if inst.arena_bytes < weights + kv:
-        probs.add(where, f"arena_bytes = {inst.arena_bytes} ({format_size(inst.arena_bytes)}) is "
-                  f'too small for model "{name}": one rank needs at least {weights + kv} bytes '
-                  f"({format_size(weights + kv)}): ~{format_size(weights)} of weights at tp = "
-                  f"{inst.tp} + {MIN_KV_PAGES} KV pages of {inst.page_size} tokens "
-                  f'({format_size(kv)}); use arena_bytes = "{_suggest(weights + kv)}" or more')
-        return
-    pages = (inst.arena_bytes - weights) // (kv // MIN_KV_PAGES)
-    info.append(f'instance "{inst.name}": arena {format_size(inst.arena_bytes)} per rank; its '
-                f'largest model "{name}" takes ~{format_size(weights)}, leaving room for ~{pages} '
-                f"KV pages ({pages * inst.page_size} tokens) less runtime buffers")
-
-
-def _suggest(need: int) -> str:
-    """`need` plus a quarter for runtime buffers and KV, rounded up to 64 MiB, as a TOML size."""
-    mib = math.ceil(need * 1.25 / 2**26) * 64
-    return f"{mib // 1024}GiB" if mib % 1024 == 0 else f"{mib}MiB"
-
-
-def _check_cuda(cuda: list[InstanceConfig], probs: Problems, info: list[str]) -> None:
-    from talaria.executor.devices import (
-        cuda_devices,  # only here: CPU-only configs never import torch
-    )
-
-    devices = cuda_devices()
-    if not devices.count:
-        for inst in cuda:
-            probs.add(f"[[instances]] {toml_value(inst.name)}", f'device = "cuda" but torch finds '
-                      f'no CUDA device ({devices.build}); run on a GPU machine, or set device = "cpu"')
-        return
-    count = devices.count
-    for inst in cuda:
-        if inst.tp > count:
-            probs.add(f"[[instances]] {toml_value(inst.name)}", f"tp = {inst.tp} needs {inst.tp} "
-                      f"GPUs but torch finds {count}; lower tp, or run on a node with more GPUs")
-    info.append(f"cuda: {count} x {devices.name}")
-    ranks = sum(i.tp for i in cuda)
-    if ranks > count:
-        info.append(f"note: cuda instances have {ranks} ranks on {count} GPUs, "
-                    "so some GPUs hold more than one arena")

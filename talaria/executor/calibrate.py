@@ -37,9 +37,9 @@ from talaria.contracts.step_plan import MemoryOps, SeqChunk, StepPlan, SwitchPla
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.executor.curve_fit import fit_decode, fit_prefill
 from talaria.executor.probes import FULL, Probes
+from talaria.instance.assembly import new_stager
 from talaria.instance.memory_planner import full_h2d
-from talaria.memory.bump_layout import ALIGN, Region
-from talaria.memory.stager import Stager
+from talaria.memory.bump_layout import Region
 from talaria.memory.switch_record import SwitchRecord
 from talaria.models.conversion_cache import default_cache_dir, fingerprint
 
@@ -64,7 +64,7 @@ def calibrate(executor: Executor, probes: Probes = FULL, method: str = "start-up
     if sub.active != names[0]:
         record = _open(executor, names[0])
         models[names[0]] = _with_switch(models[names[0]], record)
-    if probes.staged_switches and len(names) > 1 and inst.staging_chunk_bytes > 0:
+    if probes.staged_switches and new_stager(inst, len(names)) is not None:
         progress("staged switches: full-D2D and partial opens of every model")
         for i, name in enumerate(names):
             source = names[i - 1]  # the model before it (the last one, for the first)
@@ -135,7 +135,7 @@ def _staged_open(executor: Executor, name: str, fraction: float) -> SwitchRecord
     chunks, H2D for the rest). None when the pool's tail has no room for a single chunk."""
     sub = executor.substrate
     active = sub.active
-    stager = Stager(executor.instance.staging_chunk_bytes, ALIGN)
+    stager = new_stager(executor.instance, len(sub.images))
     stager.target(name, sub.images[name].nbytes, sub.layout.plan(active))
     for _ in range(max(1, round(stager.num_chunks * fraction))):
         chunk = stager.next_chunk(lambda pages: True)  # probes publish nothing: every page is free

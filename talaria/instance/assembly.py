@@ -40,6 +40,14 @@ class ServedModel:
     eos_token_ids: tuple[int, ...]  # end a sequence (unless the call ignores EOS)
 
 
+def new_stager(config: InstanceConfig, models: int) -> Stager | None:
+    """A stager for an instance of `config` serving `models` models; None when staging is off there.
+    Calibration stages with one too, to time the staged switch paths the instance will take."""
+    if not config.enabled(Ablation.STAGING) or models < 2:
+        return None
+    return Stager(config.staging_chunk_bytes, ALIGN)
+
+
 def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[ServedModel], profile: Profile,
              copies: CopyEvents, clock: Callable[[], float], *, learn: bool = True, version_base: int = 0,
              rounds: RoundConfig | None = None) -> Scheduler:
@@ -54,7 +62,7 @@ def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[Served
     slab_bytes = max(m.page_bytes for m in models)
     slabs = config.host_kv_bytes // slab_bytes if config.enabled(Ablation.HKVR) else 0
     host = HostKVRegistry(slabs, slab_bytes) if slabs else None
-    stager = Stager(config.staging_chunk_bytes, ALIGN) if config.enabled(Ablation.STAGING) and len(models) > 1 else None
+    stager = new_stager(config, len(models))
     memory = MemoryPlanner(layout, weights, ps, host, stager, config.debug_poison, copies)
     batchers = {m.name: Batcher(m.name, PageManager(layout.plan(m.name).num_pages, ps), config.max_batch_tokens,
                                 config.max_running, m.max_context, m.eos_token_ids, host) for m in models}

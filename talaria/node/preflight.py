@@ -1,0 +1,131 @@
+"""Can this machine run this config: model files, tp against each model's heads, arenas, CUDA.
+
+`talaria up` runs `check_files` before it starts anything, and `talaria config check --files` runs
+it on demand. It reads each model's metadata (no weights), checks tp against its heads, that CUDA is
+there for cuda instances (importing torch only then), and that each arena holds its largest model
+plus `MIN_KV_PAGES` KV pages. It lives with the node because it asks what the node has — files and
+devices — where `talaria.config.loader` checks only the file's structure.
+"""
+
+from __future__ import annotations
+
+import math
+
+from talaria.config.loader import check_tp, tp_misfits
+from talaria.config.schema import DTYPE_BYTES, Device, InstanceConfig, TalariaConfig
+from talaria.config.tables import Problems, format_size, toml_value
+from talaria.contracts.arch import ModelArch
+
+MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
+
+
+def check_files(cfg: TalariaConfig) -> list[str]:
+    """The checks `talaria up` runs before starting anything; informational lines if they pass.
+
+    Reads every model's metadata (no weights), checks tp against each model's heads, that CUDA is
+    there for cuda instances (importing torch only then), and that each arena holds its largest
+    model plus `MIN_KV_PAGES` KV pages. Raises `ConfigError` listing every problem.
+    """
+    probs, info = Problems(str(cfg.path) if cfg.path is not None else "<config>"), []
+    archs = _model_archs(cfg, probs, info)
+    for inst in cfg.instances:
+        where = f"[[instances]] {toml_value(inst.name)}"
+        known = {m: archs[m] for m in inst.models if m in archs}
+        check_tp(inst, known, where, probs)
+        fitting = {m: a for m, a in known.items() if not tp_misfits(inst.tp, a)}
+        _check_arena(cfg, inst, fitting, where, probs, info)
+    cuda = [i for i in cfg.instances if i.device is Device.CUDA]
+    if cuda:
+        _check_cuda(cuda, probs, info)
+    for m in cfg.models:
+        if not cfg.instances_serving(m.name):
+            info.append(f'note: model "{m.name}" is in [[models]] but no instance serves it')
+    probs.raise_if_any()
+    return info
+
+
+def params_per_rank(arch: ModelArch, tp: int) -> int:
+    """Parameters one of `tp` ranks holds, as the engine shards them (an estimate to size arenas).
+
+    Attention and MLP projections are split over tp (a KV head is replicated when tp exceeds the
+    KV heads), embedding and LM head are split by vocabulary (rounded up), norms are replicated.
+    """
+    q, kv = math.ceil(arch.q_size / tp), arch.head_dim * math.ceil(arch.num_kv_heads / tp)
+    attn = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size
+    attn += (q + 2 * kv if arch.attention_bias else 0) + (2 * arch.head_dim if arch.qk_norm else 0)
+    layer = attn + 3 * arch.hidden_size * math.ceil(arch.intermediate_size / tp) + 2 * arch.hidden_size
+    emb = math.ceil(arch.vocab_size / tp) * arch.hidden_size
+    return arch.num_layers * layer + emb * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+
+
+def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:
+    archs = {}
+    for m in cfg.models:
+        from talaria.models.errors import (
+            ModelSourceError,  # model readers load on demand
+        )
+        from talaria.models.source import model_arch
+
+        try:  # synthetic models too: model_arch builds theirs from the shape
+            archs[m.name] = model_arch(m, cfg.path.parent if cfg.path is not None else None)
+        except ModelSourceError as e:
+            probs.add(f"[[models]] {toml_value(m.name)}", str(e))
+            continue
+        a = archs[m.name]
+        info.append(f'model "{m.name}": {a.family}, {a.param_count() / 1e6:.1f}M parameters, '
+                    f"{a.num_heads} query / {a.num_kv_heads} KV heads, context {a.max_position}")
+    return archs
+
+
+def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, ModelArch], where: str,
+                 probs: Problems, info: list[str]) -> None:
+    """The arena must hold the largest model (cold models take turns) and a minimal KV pool."""
+    if not archs:
+        return
+    need = {}  # model -> (weight bytes, bytes of MIN_KV_PAGES pages) on one rank
+    for name, arch in archs.items():
+        size = DTYPE_BYTES[cfg.model(name).dtype]
+        kv_heads = math.ceil(arch.num_kv_heads / inst.tp)
+        page = inst.page_size * 2 * arch.num_layers * kv_heads * arch.head_dim * size
+        need[name] = (params_per_rank(arch, inst.tp) * size, MIN_KV_PAGES * page)
+    name, (weights, kv) = max(need.items(), key=lambda item: sum(item[1]))
+    if inst.arena_bytes < weights + kv:
+        probs.add(where, f"arena_bytes = {inst.arena_bytes} ({format_size(inst.arena_bytes)}) is "
+                  f'too small for model "{name}": one rank needs at least {weights + kv} bytes '
+                  f"({format_size(weights + kv)}): ~{format_size(weights)} of weights at tp = "
+                  f"{inst.tp} + {MIN_KV_PAGES} KV pages of {inst.page_size} tokens "
+                  f'({format_size(kv)}); use arena_bytes = "{_suggest(weights + kv)}" or more')
+        return
+    pages = (inst.arena_bytes - weights) // (kv // MIN_KV_PAGES)
+    info.append(f'instance "{inst.name}": arena {format_size(inst.arena_bytes)} per rank; its '
+                f'largest model "{name}" takes ~{format_size(weights)}, leaving room for ~{pages} '
+                f"KV pages ({pages * inst.page_size} tokens) less runtime buffers")
+
+
+def _suggest(need: int) -> str:
+    """`need` plus a quarter for runtime buffers and KV, rounded up to 64 MiB, as a TOML size."""
+    mib = math.ceil(need * 1.25 / 2**26) * 64
+    return f"{mib // 1024}GiB" if mib % 1024 == 0 else f"{mib}MiB"
+
+
+def _check_cuda(cuda: list[InstanceConfig], probs: Problems, info: list[str]) -> None:
+    from talaria.executor.devices import (
+        cuda_devices,  # only here: CPU-only configs never import torch
+    )
+
+    devices = cuda_devices()
+    if not devices.count:
+        for inst in cuda:
+            probs.add(f"[[instances]] {toml_value(inst.name)}", f'device = "cuda" but torch finds '
+                      f'no CUDA device ({devices.build}); run on a GPU machine, or set device = "cpu"')
+        return
+    count = devices.count
+    for inst in cuda:
+        if inst.tp > count:
+            probs.add(f"[[instances]] {toml_value(inst.name)}", f"tp = {inst.tp} needs {inst.tp} "
+                      f"GPUs but torch finds {count}; lower tp, or run on a node with more GPUs")
+    info.append(f"cuda: {count} x {devices.name}")
+    ranks = sum(i.tp for i in cuda)
+    if ranks > count:
+        info.append(f"note: cuda instances have {ranks} ranks on {count} GPUs, "
+                    "so some GPUs hold more than one arena")
