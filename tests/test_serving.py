@@ -137,6 +137,18 @@ def test_repeated_long_prompt_hits_the_prefix_cache(client):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_the_hot_instance_publishes_the_correction_of_its_profile(client, server):
+    client.chat.completions.create(model="smollm2", temperature=0, max_tokens=4,
+                                   messages=[{"role": "user", "content": "Say hi."}])
+
+    def corrections() -> dict:
+        entry = httpx.get(server.base_url + "/talaria/telemetry", timeout=10).json()["instances"]["hot-0"]
+        return entry["stats"]["cost_scale"]
+    scale = wait_for(lambda: (s := corrections()) and {"smollm2/prefill", "smollm2/decode"} <= set(s) and s,
+                     10, "hot-0's cost corrections in telemetry")
+    assert all(0.1 <= v <= 10.0 for v in scale.values()), scale  # measured / profile-priced, clamped
+
+
 def test_client_disconnect_cancels_the_call_and_frees_its_kv(client, server):
     stream = client.completions.create(model=TINY, prompt="tell me a long story", temperature=0,
                                        max_tokens=1500, stream=True, extra_body={"ignore_eos": True})

@@ -46,24 +46,12 @@ class SamplingParams:
 
 @_pickled_by_fields
 @dataclass(frozen=True, slots=True)
-class PrefixHandle:
-    """Where the router believes a session's KV lives (filled by the session-aware router)."""
-
-    instance: str
-    model: str
-    kv_tokens: int  # committed KV length at the end of the previous call
-    prefix_hash: int  # cumulative page hash at the last full page of that prefix
-
-
-@_pickled_by_fields
-@dataclass(frozen=True, slots=True)
 class InstanceCall:
     request_id: str
     model: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     session_id: str | None = None
-    prefix_handle: PrefixHandle | None = None
     enqueue_time: float = 0.0  # intended enqueue, node monotonic clock (s); TTFT is measured from it
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from talaria.contracts.step_plan import StepPlan
 from talaria.contracts.vocabulary import SwitchPath
 
 PROFILE_SCHEMA = 1
@@ -121,8 +122,14 @@ class Profile:
                                "profile that model with `talaria profile`")
         return self.models[name]
 
-    def prefill_s(self, model: str, tokens: int, cached: int = 0) -> float:
-        return self.model(model).prefill.seconds(tokens, cached)
+    # ---- prices: the simulator charges, and the scheduler and router predict, with these alone ----------
+
+    def prefill_s(self, model: str, tokens: int, cached: int = 0, batched: bool = False) -> float:
+        """One prefill chunk of `tokens` new tokens after `cached` reused ones. `batched`: the chunk
+        joins a step whose forward already pays the fixed cost (`base_s`), so it adds only its own."""
+        curve = self.model(model).prefill
+        seconds = curve.seconds(tokens, cached)
+        return seconds - curve.base_s if batched and tokens else seconds
 
     def decode_s(self, model: str, batch: int, context: int = 0) -> float:
         return self.model(model).decode.seconds(batch, context)
@@ -135,23 +142,58 @@ class Profile:
         """Copying `tokens` tokens of KV from the device to host memory."""
         return tokens * self.model(model).kv_bytes_per_token / self.bandwidth.d2h_bytes_per_s
 
-    def switch_s(self, model: str, path: SwitchPath = SwitchPath.H2D_ONLY) -> float:
-        """Seconds to open `model` by `path`: recorded if the profile has it, else estimated.
+    def step_parts(self, plan: StepPlan, page_size: int) -> tuple[float, float]:
+        """(prefill and restore seconds, decode seconds) of one engine step: its prompt chunks as one
+        batched prefill (the fixed cost once, then each chunk's own), its decode chunks as one decode
+        step, and its host KV restores (`page_size` tokens each) before the forward."""
+        prefill, decode, context, first = 0.0, 0, 0, True
+        for c in plan.chunks:
+            if c.decode:
+                decode += 1
+                context += c.context_len
+            else:
+                prefill += self.prefill_s(plan.model, len(c.token_ids), c.start_pos, batched=not first)
+                first = False
+        if plan.ops is not None and plan.ops.restores:
+            prefill += self.restore_s(plan.model, len(plan.ops.restores) * page_size)
+        return prefill, self.decode_s(plan.model, decode, context)
 
-        Estimate: the weight copy (h2d_only: weights_bytes / h2d; full_d2d: weights_bytes / d2d)
-        plus the four other phases of the first recorded path in SwitchPath order (none when
-        nothing is recorded); partial is the mean of h2d_only and full_d2d, each as above.
+    def step_s(self, plan: StepPlan, page_size: int) -> float:
+        """Seconds of one engine step (see `step_parts`)."""
+        prefill, decode = self.step_parts(plan, page_size)
+        return prefill + decode
+
+    def switch_phases(self, model: str, coverage: float = 0.0) -> tuple[float, ...]:
+        """Seconds of each phase (PHASE_NAMES) of opening `model` with `coverage` of its weight bytes
+        staged clean, by the path that coverage gives (`SwitchPath.for_coverage`).
+
+        A recorded path's phases are used as recorded. An unrecorded full-D2D or H2D-only path is
+        estimated: its weight copy (weights_bytes over the d2d or h2d rate) as `open_weights`, the
+        other four phases from the first recorded path (none when nothing is recorded). A partial
+        open copies the staged bytes D2D and the rest H2D, so its `open_weights` interpolates
+        linearly between the two paths' by the fraction left to H2D, and its other phases are the
+        recorded partial ones (else the mean of the two paths'). Only when partial is recorded and
+        full-D2D or H2D-only is not is the recorded partial taken whole: it was measured at a real
+        coverage, which beats interpolating towards an estimate.
         """
         m = self.model(model)
-        cost = m.switch.get(path)
-        if cost is not None:
-            return cost.total_s
-        if path is SwitchPath.PARTIAL:
-            return (self.switch_s(model, SwitchPath.H2D_ONLY) + self.switch_s(model, SwitchPath.FULL_D2D)) / 2
-        rate = self.bandwidth.h2d_bytes_per_s if path is SwitchPath.H2D_ONLY else self.bandwidth.d2d_bytes_per_s
-        recorded = [m.switch[p] for p in SwitchPath if p in m.switch]
-        other = recorded[0].total_s - recorded[0].phase_s[1] if recorded else 0.0
-        return m.weights_bytes / rate + other
+        path = SwitchPath.for_coverage(coverage)
+        recorded = m.switch.get(path)
+        if path is not SwitchPath.PARTIAL:
+            if recorded is not None:
+                return recorded.phase_s
+            first = next((m.switch[p].phase_s for p in SwitchPath if p in m.switch), (0.0,) * len(PHASE_NAMES))
+            rate = self.bandwidth.h2d_bytes_per_s if path is SwitchPath.H2D_ONLY else self.bandwidth.d2d_bytes_per_s
+            return (first[0], m.weights_bytes / rate, *first[2:])
+        if recorded is not None and not (SwitchPath.FULL_D2D in m.switch and SwitchPath.H2D_ONLY in m.switch):
+            return recorded.phase_s
+        d2d, h2d = self.switch_phases(model, 1.0), self.switch_phases(model, 0.0)
+        phases = recorded.phase_s if recorded is not None else tuple((a + b) / 2 for a, b in zip(d2d, h2d))
+        return (phases[0], d2d[1] + (h2d[1] - d2d[1]) * (1.0 - coverage), *phases[2:])
+
+    def switch_s(self, model: str, coverage: float = 0.0) -> float:
+        """Seconds to open `model` with `coverage` of its weight bytes staged clean (0: an H2D open)."""
+        return sum(self.switch_phases(model, coverage))
 
     def with_model(self, model: ModelProfile) -> Profile:
         """A copy with `model` added, or replacing the model of the same name."""

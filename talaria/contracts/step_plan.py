@@ -20,6 +20,7 @@ class SeqChunk:
     # on admission after a prefix hit or host restore: the reused tokens [0, start_pos), so every
     # rank's ledger knows the whole prefix it holds (what it reports for the HKVR agreement)
     prefix: tuple[int, ...] = ()
+    decode: bool = False  # one generated token fed back (a decode step), not a prompt chunk: how it is priced
 
     @property
     def context_len(self) -> int:

@@ -38,7 +38,6 @@ class RoundState:
     sp_admitted: int  # continuations admitted mid-slot since start
     sp_parked: int  # continuations that returned mid-slot and waited for a later slot
     last_rounds: tuple[dict, ...]  # summaries: wall_s = active_s + switch_s; p_s, d_s, sp_s; SP admitted/parked
-    cost_scale: dict[str, float] = field(default_factory=dict)  # "model/kind" -> measured / profile EWMA
     round_s: float = 0.0  # the round bound gamma * ttft_s
 
 
@@ -69,6 +68,7 @@ class InstanceStats:
     last_switches: tuple[dict, ...] = ()  # the last SwitchRecords as JSON, oldest first
     time: float = 0.0  # node monotonic clock when the snapshot was taken
     page_size: int = 16  # tokens per KV page (kv_pages_* count these)
+    cost_scale: dict[str, float] = field(default_factory=dict)  # "model/kind" -> EWMA of measured / profile-priced
 
 
 def stats_from_dict(data: dict) -> InstanceStats:

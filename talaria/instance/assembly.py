@@ -66,14 +66,14 @@ def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[Served
     memory = MemoryPlanner(layout, weights, ps, host, stager, config.debug_poison, copies)
     batchers = {m.name: Batcher(m.name, PageManager(layout.plan(m.name).num_pages, ps), config.max_batch_tokens,
                                 config.max_running, m.max_context, m.eos_token_ids, host) for m in models}
+    costs = CostModel(profile, ps, alpha=EWMA_ALPHA if learn else 0.0)
     build_rounds = None
     if config.pool is Pool.COLD or len(models) > 1:
         round_config = rounds if rounds is not None else RoundConfig.of(config)
-        costs = CostModel(profile, alpha=EWMA_ALPHA if learn else 0.0)
 
-        def build_rounds(batchers, clock, emit, switch_path, known):
-            return RoundScheduler(batchers, costs, clock, round_config, emit, switch_path, known, ps)
-    scheduler = Scheduler(config.name, batchers, clock, memory, build_rounds, version_base=version_base,
+        def build_rounds(batchers, clock, emit, switch_coverage, known):
+            return RoundScheduler(batchers, costs, clock, round_config, emit, switch_coverage, known, ps)
+    scheduler = Scheduler(config.name, batchers, clock, memory, costs, build_rounds, version_base=version_base,
                           record_steps=config.record_steps)
     first = models[0].name
     scheduler.switched(SwitchPlan(first, full_h2d(weights[first])), None, [])

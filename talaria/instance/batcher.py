@@ -97,7 +97,7 @@ class Batcher:
                 continue
             if not self._reserve_slot(seq, planned):
                 continue
-            chunks.append(self.chunk(seq, 1))
+            chunks.append(self.chunk(seq, 1, decode=True))
             planned.add(seq.seq_id)
         return chunks
 
@@ -112,13 +112,14 @@ class Batcher:
                 budget -= len(chunks[-1].token_ids)
         return chunks
 
-    def chunk(self, seq: Sequence, budget: int, admitted: bool = False) -> SeqChunk:
-        """The next `budget` (at most) uncomputed tokens of `seq`; `admitted`: its first chunk since admission."""
+    def chunk(self, seq: Sequence, budget: int, admitted: bool = False, decode: bool = False) -> SeqChunk:
+        """The next `budget` (at most) uncomputed tokens of `seq`; `admitted`: its first chunk since
+        admission; `decode`: the generated token fed back (priced as a decode step, not a prefill)."""
         start = seq.num_computed
         n = min(seq.num_uncomputed, budget)
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:start + n]), start,
                         tuple(seq.page_table), start + n == len(seq.token_ids),
-                        tuple(seq.token_ids[:start]) if admitted else ())
+                        tuple(seq.token_ids[:start]) if admitted else (), decode)
 
     def reusable(self, seq: Sequence) -> tuple[int, int]:
         """(device pages, host pages) of `seq`'s prompt prefix this instance holds: no side effects."""

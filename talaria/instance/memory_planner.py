@@ -163,6 +163,13 @@ class MemoryPlanner:
             gather = full_h2d(self.weight_bytes[to_model])
         return SwitchPlan(to_model, gather, MemoryOps(saves=saves, agree=agree))
 
+    def switch_coverage(self, model: str) -> float:
+        """How much of `model`'s weights a switch to it would find staged clean: the clean chunks and
+        the chunk being written, which the switch waits for (0 when `model` is not being staged)."""
+        if self.stager is None or self.stager.target_model != model:
+            return 0.0
+        return self.stager.coverage(self._writing)
+
     def switched(self, active: str, next_model: str | None) -> None:
         """After a switch: staging restarts towards the model expected next."""
         self._writing = None

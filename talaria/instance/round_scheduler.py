@@ -55,14 +55,14 @@ ROUNDS_KEPT = 8  # round summaries kept for telemetry
 
 class RoundScheduler:
     def __init__(self, batchers: dict[str, Batcher], costs: CostModel, clock: Callable[[], float],
-                 config: RoundConfig, emit: Callable[..., None], switch_path: Callable[[str], SwitchPath],
+                 config: RoundConfig, emit: Callable[..., None], switch_coverage: Callable[[str], float],
                  known_session: Callable[[str], bool], page_size: int) -> None:
         self.batchers = batchers
         self.costs = costs
         self.clock = clock
         self.config = config
         self._emit = emit  # emit(kind, **data)
-        self._switch_path = switch_path  # the load path a switch to this model would take now
+        self._coverage = switch_coverage  # how much of this model's weights staging covers now
         self._known = known_session  # a session this instance has served (continuations only)
         self.page_size = page_size
         # the smallest prefill chunk worth a step: a forward's fixed cost makes tiny chunks waste the slot
@@ -154,7 +154,7 @@ class RoundScheduler:
         switch_s, prev = 0.0, active
         for m in queue:
             if m != prev:
-                switch_s += self.costs.switch_s(m, self._switch_path(m) if prev == active else SwitchPath.H2D_ONLY)
+                switch_s += self.costs.switch_s(m, self._coverage(m) if prev == active else 0.0)
             prev = m
         available = cfg.round_s - switch_s
         if available <= 0:
@@ -200,8 +200,9 @@ class RoundScheduler:
     def _in_slot(self, s: Slot, now: float, active: str | None) -> Step | Switch | None:
         b = self.batchers[s.model]
         if s.model != active:
-            self._last_path = path = self._switch_path(s.model)
-            predicted = self.costs.switch_s(s.model, path)
+            coverage = self._coverage(s.model)
+            self._last_path = path = SwitchPath.for_coverage(coverage)
+            predicted = self.costs.switch_s(s.model, coverage)
             self._pending = (s.model, None, predicted, now)
             return Switch(s.model, path, predicted)
         if s.start is None:  # P begins: what is queued now, and prompts left half-done, are P's
@@ -240,6 +241,8 @@ class RoundScheduler:
         chunks = b.decode_chunks(self.config.max_batch_tokens)
         if not chunks:
             return None
+        if len(chunks) != len(decoders):  # KV pressure or the step budget cut the batch: price what runs
+            predicted = self.costs.decode_s(s.model, len(chunks), sum(c.context_len for c in chunks))
         s.decode_steps += 1
         return self._step(s, now, phase, chunks, predicted)
 
@@ -271,7 +274,7 @@ class RoundScheduler:
             admitted = seq.status is SeqStatus.RUNNING
             # a started prompt with nowhere to save its KV finishes here, budget or not (see _in_slot)
             budget = math.inf if admitted and b.host is None else left - cost
-            n, c = self._fit(s.model, b, seq, budget, tokens)
+            n, c = self._fit(s.model, b, seq, budget, tokens, batched=bool(chunks))
             if n == 0 and phase is Phase.P and s.seg_steps == 0 and s.phase is Phase.P and not chunks:
                 n, c = self._fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
                 self.deadline_risk["prefill_over_budget"] += 1
@@ -300,9 +303,11 @@ class RoundScheduler:
             self._admitted(s, seq)
         return step
 
-    def _fit(self, model: str, b: Batcher, seq: Sequence, budget: float, tokens: int) -> tuple[int, float]:
+    def _fit(self, model: str, b: Batcher, seq: Sequence, budget: float, tokens: int,
+             batched: bool = False) -> tuple[int, float]:
         """The most prompt tokens of `seq` (at most `tokens`) whose prefill, plus its restore when it
-        is not admitted yet, fits `budget`; 0 when not even the smallest chunk does."""
+        is not admitted yet, fits `budget`; 0 when not even the smallest chunk does. `batched`: the
+        step has a chunk already, which pays the forward's fixed cost (as `Profile.step_s` prices it)."""
         if seq.status is SeqStatus.RUNNING:
             cached, restore, todo = seq.num_computed, 0.0, seq.num_uncomputed
         else:
@@ -314,7 +319,7 @@ class RoundScheduler:
         lo = min(hi, self.min_chunk)
 
         def cost(n: int) -> float:
-            return restore + self.costs.prefill_s(model, n, cached)
+            return restore + self.costs.prefill_s(model, n, cached, batched)
 
         if lo <= 0 or cost(lo) > budget:
             return 0, 0.0
@@ -389,5 +394,4 @@ class RoundScheduler:
             "sp_admitted": self.sp_admitted,
             "sp_parked": self.sp_parked,
             "rounds": list(self.summaries),
-            "cost_scale": self.costs.telemetry(),
         }

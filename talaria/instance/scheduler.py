@@ -25,8 +25,9 @@ from talaria.contracts.call import (
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.step_plan import StepPlan, SwitchPlan
 from talaria.contracts.telemetry import InstanceStats, ModelQueue, RoundState
-from talaria.contracts.vocabulary import KVLocation, SwitchPath
+from talaria.contracts.vocabulary import KVLocation
 from talaria.instance.batcher import Batcher
+from talaria.instance.cost_model import CostModel
 from talaria.instance.memory_planner import MemoryPlanner
 from talaria.instance.round_scheduler import RoundScheduler
 from talaria.instance.rounds import Switch
@@ -39,10 +40,12 @@ MAX_SESSIONS_KNOWN = 100_000  # sessions remembered as served here (SP admits on
 
 class Scheduler:
     def __init__(self, instance: str, batchers: dict[str, Batcher], clock: Callable[[], float],
-                 memory: MemoryPlanner, rounds: Callable[..., RoundScheduler] | None = None,
+                 memory: MemoryPlanner, costs: CostModel, rounds: Callable[..., RoundScheduler] | None = None,
                  version_base: int = 0, record_steps: bool = False) -> None:
-        """`rounds` builds the cold pool's RoundScheduler from (batchers, clock, emit, switch_path,
-        known_session); None makes a hot instance (one model, continuous batching). Snapshot versions
+        """`costs`: the instance's predicted costs; a hot instance corrects them from its step times
+        here, a cold one in its round scheduler. `rounds` builds the cold pool's RoundScheduler from
+        (batchers, clock, emit, switch_coverage, known_session); None makes a hot instance (one model,
+        continuous batching). Snapshot versions
         count up from `version_base`: a restarted instance passes a larger one (its start time), so
         its snapshots still look newer than its predecessor's. `record_steps`: emit a `call` event per
         call and a `step` event per step and switch, with when it was planned and what it took: what
@@ -51,8 +54,9 @@ class Scheduler:
         self.batchers = batchers
         self.clock = clock
         self.memory = memory
+        self.costs = costs
         self._known: OrderedDict[str, None] = OrderedDict()  # sessions served here, most recent last
-        self.rounds = None if rounds is None else rounds(batchers, clock, self._emit, self._switch_path,
+        self.rounds = None if rounds is None else rounds(batchers, clock, self._emit, self._switch_coverage,
                                                          self._known.__contains__)
         self._seqs: dict[int, Sequence] = {}
         self._by_request: dict[str, Sequence] = {}
@@ -148,12 +152,9 @@ class Scheduler:
             outgoing.suspend()
         return self.memory.switch_plan(model, outgoing)
 
-    def _switch_path(self, model: str) -> SwitchPath:
-        """The load path a switch to `model` would take now: how much of it staging covers."""
-        stager = self.memory.stager
-        if stager is None or stager.target_model != model:
-            return SwitchPath.H2D_ONLY
-        return SwitchPath.for_coverage(stager.coverage())
+    def _switch_coverage(self, model: str) -> float:
+        """How much of `model`'s weights a switch to it would find staged (0: it loads them all from host)."""
+        return self.memory.switch_coverage(model)
 
     def _rotation(self) -> list[str]:
         """The other models, in round-robin order after the active one."""
@@ -196,6 +197,8 @@ class Scheduler:
                        tokens=plan.num_tokens, seqs=len(plan.chunks))
         if self.rounds is not None:
             self.rounds.committed(step_s)
+        elif plan.chunks:
+            self.costs.observe_step(plan, step_s)
         batcher = self.batchers[plan.model]
         batcher.step_done()
         if plan.ops is not None and plan.ops.agree:
@@ -301,6 +304,7 @@ class Scheduler:
             last_switches=tuple(r.to_dict() for r in self.switches[-4:]),
             time=self.clock(),
             page_size=self.memory.page_size,
+            cost_scale=self.costs.telemetry(),
         )
 
     def _round_state(self) -> RoundState | None:
@@ -308,4 +312,4 @@ class Scheduler:
             return None
         t = self.rounds.telemetry()
         return RoundState(t["round"], t["round_remaining_s"], t["slot"], t["deadline_risk"], t["sp_admitted"],
-                          t["sp_parked"], tuple(t["rounds"]), t["cost_scale"], self.rounds.config.round_s)
+                          t["sp_parked"], tuple(t["rounds"]), self.rounds.config.round_s)

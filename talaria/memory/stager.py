@@ -248,11 +248,14 @@ class Stager:
         return sum(c.src.size for c in self._placed
                    if self._state[c.index] in (ChunkState.MISSING, ChunkState.DIRTY) and all_free(c.pages))
 
-    def coverage(self) -> float:
-        """Fraction of the target's weight bytes that are CLEAN (0.0 without a target)."""
+    def coverage(self, writing: StagedChunk | None = None) -> float:
+        """Fraction of the target's weight bytes that are CLEAN (0.0 without a target); with
+        `writing`, as if that chunk, whose copy is in flight, were written."""
         if self._target is None:
             return 0.0
         clean = sum(c.src.size for c in self._placed if self._state[c.index] is ChunkState.CLEAN)
+        if writing is not None and self._state[writing.index] is ChunkState.WRITING:
+            clean += writing.src.size
         return clean / self._target.weight_bytes
 
     def _check_idle(self, what: str) -> None:

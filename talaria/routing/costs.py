@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from talaria.config.schema import RouterConfig
 from talaria.contracts.profile import ModelProfile
-from talaria.contracts.vocabulary import KVLocation, SwitchPath
+from talaria.contracts.vocabulary import KVLocation
 from talaria.routing.decision import RouteRequest
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.leases import Lease, LeaseTable
@@ -29,6 +29,8 @@ from talaria.routing.sessions import LastCall
 
 GIB = float(1 << 30)
 LOCATIONS = {loc.value: loc for loc in KVLocation}  # a snapshot's location, as sent (str) or pickled (enum)
+DEVICE, HOST, MISSING = KVLocation.DEVICE, KVLocation.HOST, KVLocation.MISSING  # module globals: a decision
+# compares them for every candidate, and a global is read 7x faster than an Enum class attribute
 
 
 @dataclass(slots=True)
@@ -87,8 +89,7 @@ class PlacementCosts:
             if active:
                 c_act = 0.0
             else:
-                coverage = s.substrate.get("staging_coverage", 0.0) if staged else 0.0
-                c_act = p.switch_s(model, SwitchPath.for_coverage(coverage))
+                c_act = p.switch_s(model, s.substrate.get("staging_coverage", 0.0) if staged else 0.0)
             wait = s.rounds.round_remaining_s if (s.rounds is not None and not active) else 0.0
             free = s.kv_pages_total - (s.kv_pages_used if active else 0)
             admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
@@ -101,16 +102,16 @@ class PlacementCosts:
         t = self.terms(view, req.model)
         if t is None:
             return None
-        mp = t.model
-        reusable, kv = 0, KVLocation.MISSING
+        mp = t.model  # its curves are the profile's prices (Profile.prefill_s and decode_s read the same)
+        reusable, kv = 0, MISSING
         if last is not None:
             reusable = min(last.kv_tokens, max(0, req.prompt_tokens - 1))
             if last.instance == view.name:
                 kv = self.location(view, req, last.done_at)
-        if kv is KVLocation.DEVICE:
+        if kv is DEVICE:
             c_kv = 0.0
-        elif kv is KVLocation.HOST:
-            c_kv = reusable * mp.kv_bytes_per_token / view.profile.bandwidth.restore
+        elif kv is HOST:
+            c_kv = view.profile.restore_s(req.model, reusable)
         else:
             c_kv = mp.prefill.seconds(reusable)
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
@@ -143,9 +144,9 @@ class PlacementCosts:
         prefix counts as kept (device) until a snapshot lists it elsewhere."""
         entry = view.listed.get((req.session, req.model))
         if entry is None or not entry[0]:
-            return KVLocation.DEVICE  # unknown, or not one full page: nothing to lose, nothing to recompute
+            return DEVICE  # unknown, or not one full page: nothing to lose, nothing to recompute
         if view.received_at <= done_at:
-            return KVLocation.DEVICE
+            return DEVICE
         return entry[1]
 
     @classmethod
@@ -153,4 +154,4 @@ class PlacementCosts:
         """The lease's instance still holds the session's prefix, on the device or the host."""
         if view.snapshot is None or view.received_at <= lease.t_done:
             return True
-        return cls.location(view, req, lease.t_done) is not KVLocation.MISSING
+        return cls.location(view, req, lease.t_done) is not MISSING

@@ -1,8 +1,9 @@
 """Soft reservations (paper §3.3): a returning session's claim on the instance that served it.
 
-When a call completes, the router installs a lease `(session, model, instance, prefix handle,
+When a call completes, the router installs a lease `(session, model, instance, t_done,
 t_exp = t_done + tau)`. The session's next call for the same model consumes it, provided the
-instance is healthy and still holds the prefix (device-resident or host-restorable). Routing never
+instance is healthy and still holds the prefix (device-resident or host-restorable) — which the
+router reads from the instance's listing of the session in its latest snapshot, not from the lease. Routing never
 refreshes a lease: only the next completion installs a successor. While it lives a lease charges one
 admission unit to its instance in the router's overlay, so unrelated arrivals do not take the
 capacity the likely return will need. A lease is not a KV pin and guarantees nothing.
@@ -14,15 +15,12 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from talaria.contracts.call import PrefixHandle
-
 
 @dataclass(frozen=True, slots=True)
 class Lease:
     session: str
     model: str
     instance: str
-    prefix: PrefixHandle | None  # what the instance held when the call completed
     t_done: float
     t_exp: float  # t_done + tau
 
@@ -42,12 +40,12 @@ class LeaseTable:
         self._heap: list[tuple[float, str, str]] = []  # (t_exp, session, model)
         self._on_expire = on_expire
 
-    def install(self, session: str, model: str, instance: str, prefix: PrefixHandle | None, now: float) -> Lease | None:
+    def install(self, session: str, model: str, instance: str, now: float) -> Lease | None:
         """After a completion; tau = 0 installs nothing (leases off)."""
         self._drop((session, model))
         if self.tau_s <= 0:
             return None
-        lease = Lease(session, model, instance, prefix, now, now + self.tau_s)
+        lease = Lease(session, model, instance, now, now + self.tau_s)
         self._leases[(session, model)] = lease
         self._per_instance[instance] = self._per_instance.get(instance, 0) + 1
         heapq.heappush(self._heap, (lease.t_exp, session, model))

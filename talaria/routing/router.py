@@ -28,10 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from talaria.config.schema import Overload, RouterConfig
-from talaria.contracts.call import PrefixHandle
 from talaria.contracts.events import EventKind
 from talaria.contracts.telemetry import InstanceStats
-from talaria.routing.costs import LOCATIONS, PlacementCosts
+from talaria.routing.costs import LOCATIONS, MISSING, PlacementCosts
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.leases import Lease, LeaseTable
@@ -80,9 +79,8 @@ class Router:
             return
         view.snapshot, view.sent = snapshot, 0
         view.received_at = self.clock() if taken_at is None else taken_at
-        missing = LOCATIONS["missing"]
         view.listed = {(e.get("session"), e.get("model")):
-                       (e.get("kv_tokens") or 0, LOCATIONS.get(e.get("location"), missing)) for e in snapshot.sessions}
+                       (e.get("kv_tokens") or 0, LOCATIONS.get(e.get("location"), MISSING)) for e in snapshot.sessions}
         busy = {q.model for q in snapshot.queues if q.waiting or q.running}
         view.holds = frozenset(busy | {m for m in (snapshot.active_model, snapshot.staged_model) if m})
         view.terms = {}
@@ -103,8 +101,7 @@ class Router:
             return None
         now = self.clock()
         self.sessions.put(req.session, req.model, instance, kv_tokens)
-        prefix = PrefixHandle(instance, req.model, kv_tokens, 0)
-        lease = self.leases.install(req.session, req.model, instance, prefix, now)
+        lease = self.leases.install(req.session, req.model, instance, now)
         if lease is not None and self.emit is not None:
             self.emit(EventKind.LEASE, op="install", session=req.session, model=req.model, target=instance,
                       t_exp=lease.t_exp, kv_tokens=kv_tokens)

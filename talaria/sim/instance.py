@@ -17,9 +17,8 @@ from dataclasses import replace
 
 from talaria.config.schema import InstanceConfig
 from talaria.contracts.call import CallOutput, InstanceCall
-from talaria.contracts.profile import PHASE_NAMES, Profile
+from talaria.contracts.profile import Profile
 from talaria.contracts.step_plan import MemoryOps, StepPlan, SwitchPlan
-from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.assembly import ServedModel, assemble
 from talaria.memory.bump_layout import ALIGN, BumpLayout
 from talaria.memory.rank_ledger import RankLedger
@@ -109,19 +108,9 @@ class SimInstance:
         self.loop.after(seconds, lambda: self._commit(plan, seconds))
 
     def step_cost(self, plan: StepPlan) -> float:
-        """Seconds of one engine step, from the profile: one batched prefill, one decode step, restores."""
-        mp = self.profile.model(plan.model)
-        prefill = [c for c in plan.chunks if len(c.token_ids) > 1 or not c.sample]
-        decode = [c for c in plan.chunks if len(c.token_ids) == 1 and c.sample]
-        t = 0.0
-        if prefill:
-            t += mp.prefill.base_s + sum(mp.prefill.seconds(len(c.token_ids), c.start_pos) - mp.prefill.base_s
-                                         for c in prefill)
-        if decode:
-            t += mp.decode.seconds(len(decode), sum(c.context_len for c in decode))
-        if plan.ops is not None and plan.ops.restores:
-            t += self.profile.restore_s(plan.model, len(plan.ops.restores) * self.memory.page_size)
-        return t
+        """Seconds of one engine step: the profile's price for it (`Profile.step_s`), which is what the
+        scheduler predicted for it too."""
+        return self.profile.step_s(plan, self.memory.page_size)
 
     def _commit(self, plan: StepPlan, seconds: float) -> None:
         ops = plan.ops or MemoryOps()
@@ -143,17 +132,9 @@ class SimInstance:
         return (chunk.context_len * 2654435761 + chunk.seq_id) % 251 + 3
 
     def _switch_record(self, plan: SwitchPlan) -> tuple[SwitchRecord, float]:
-        """The switch's five phases from the profile; a partial path interpolates by staged bytes."""
-        g, path = plan.gather, plan.gather.path
-        mp = self.profile.model(plan.model)
-        phases = list(mp.switch[path].phase_s) if path in mp.switch else None
-        if phases is None:
-            base = next(iter(mp.switch.values())).phase_s if mp.switch else (0.0,) * len(PHASE_NAMES)
-            phases = list(base)
-            phases[1] = self.profile.switch_s(plan.model, path) - (sum(base) - base[1])
-        if path is SwitchPath.PARTIAL and SwitchPath.FULL_D2D in mp.switch and SwitchPath.H2D_ONLY in mp.switch:
-            d2d, h2d = mp.switch[SwitchPath.FULL_D2D].phase_s[1], mp.switch[SwitchPath.H2D_ONLY].phase_s[1]
-            phases[1] = d2d + (h2d - d2d) * g.h2d_bytes / max(1, g.total_bytes)
+        """The switch's five phases as the profile prices them at the coverage its gather plan has."""
+        g = plan.gather
+        phases = self.profile.switch_phases(plan.model, g.staged_bytes / g.total_bytes)
         rank = RankSwitchRecord(0, self.scheduler.active, plan.model, g.path, tuple(p * 1000 for p in phases),
                                 g.staged_bytes, g.dirty_bytes, g.total_bytes, False)
         return SwitchRecord((rank,)), sum(phases)

@@ -10,7 +10,6 @@ from talaria.contracts.call import (
     CancelCall,
     FinishReason,
     InstanceCall,
-    PrefixHandle,
     SamplingParams,
     Usage,
 )
@@ -19,7 +18,7 @@ SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, see
                           stop_token_ids=(2, 9))
 MESSAGES = [
     SAMPLING,
-    InstanceCall("r1", "m", (5, 6, 7), SAMPLING, "s1", PrefixHandle("i0", "m", 48, 12345), enqueue_time=2.5),
+    InstanceCall("r1", "m", (5, 6, 7), SAMPLING, "s1", enqueue_time=2.5),
     InstanceCall("r2", "m", (1,), SamplingParams()),
     CancelCall("r1"),
     CallOutput("r1", (8,)),

@@ -28,6 +28,7 @@ from talaria.contracts.profile_file import (
     parse_profile,
     save_profile,
 )
+from talaria.contracts.step_plan import MemoryOps, SeqChunk, StepPlan
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.executor.curve_fit import fit_decode, fit_linear, fit_prefill
 
@@ -211,17 +212,46 @@ def test_switch_s_uses_the_recorded_phases_and_estimates_missing_paths():
     recorded = SwitchCost(SwitchPath.H2D_ONLY, (0.25, 2.0, 0.125, 0.0625, 0.0625))
     p = make_profile({SwitchPath.H2D_ONLY: recorded})
     assert recorded.total_s == 2.5
-    assert p.switch_s("m") == 2.5
+    assert p.switch_s("m") == p.switch_s("m", 0.0) == 2.5
     # full_d2d: 8e9 B / 4e11 B/s = 0.02 s, plus the four non-weight phases of h2d_only (0.5 s)
-    assert p.switch_s("m", SwitchPath.FULL_D2D) == pytest.approx(0.02 + 0.5, rel=1e-12)
-    assert p.switch_s("m", SwitchPath.PARTIAL) == pytest.approx((2.5 + 0.52) / 2, rel=1e-12)
+    assert p.switch_s("m", 1.0) == pytest.approx(0.02 + 0.5, rel=1e-12)
+    # partial at half coverage: half way between the two opens
+    assert p.switch_s("m", 0.5) == pytest.approx((2.5 + 0.52) / 2, rel=1e-12)
 
 
 def test_switch_s_with_nothing_recorded_is_the_weight_copy_alone():
     p = make_profile()
-    assert p.switch_s("m", SwitchPath.H2D_ONLY) == pytest.approx(8e9 / 5e10, rel=1e-12)
-    assert p.switch_s("m", SwitchPath.FULL_D2D) == pytest.approx(8e9 / 4e11, rel=1e-12)
-    assert p.switch_s("m", SwitchPath.PARTIAL) == pytest.approx((0.16 + 0.02) / 2, rel=1e-12)
+    assert p.switch_s("m", 0.0) == pytest.approx(8e9 / 5e10, rel=1e-12)
+    assert p.switch_s("m", 1.0) == pytest.approx(8e9 / 4e11, rel=1e-12)
+    assert p.switch_s("m", 0.5) == pytest.approx((0.16 + 0.02) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("coverage", [0.1, 0.25, 0.5, 0.9])
+def test_a_partial_open_interpolates_the_weight_copy_by_what_is_left_to_copy_from_host(coverage):
+    d2d = SwitchCost(SwitchPath.FULL_D2D, (0.01, 0.1, 0.02, 0.03, 0.04))
+    partial = SwitchCost(SwitchPath.PARTIAL, (0.5, 7.0, 0.25, 0.125, 0.0625))  # measured at some coverage
+    h2d = SwitchCost(SwitchPath.H2D_ONLY, (0.02, 2.1, 0.04, 0.06, 0.08))
+    p = make_profile({SwitchPath.FULL_D2D: d2d, SwitchPath.PARTIAL: partial, SwitchPath.H2D_ONLY: h2d})
+    phases = p.switch_phases("m", coverage)
+    assert phases[1] == pytest.approx(0.1 + (2.1 - 0.1) * (1 - coverage), rel=1e-12)
+    assert (phases[0], *phases[2:]) == (0.5, 0.25, 0.125, 0.0625)  # the rest as the partial open measured them
+    assert p.switch_s("m", coverage) == pytest.approx(sum(phases), rel=1e-15)
+    # without both ends recorded, the measured partial open is taken whole
+    alone = make_profile({SwitchPath.PARTIAL: partial})
+    assert alone.switch_phases("m", coverage) == partial.phase_s
+
+
+def test_a_step_is_one_batched_prefill_one_decode_and_its_restores():
+    p = make_profile()
+    prefill, decode = p.model("m").prefill, p.model("m").decode
+    chunks = (SeqChunk(1, (5,) * 30, 0, (0,), True), SeqChunk(2, (6,) * 20, 64, (1,), True),
+              SeqChunk(3, (7,), 99, (2,), True, decode=True), SeqChunk(4, (8,), 9, (3,), True, decode=True))
+    plan = StepPlan("m", chunks, MemoryOps(restores=((0, 5), (1, 6))))
+    want_prefill = prefill.seconds(30, 0) + prefill.seconds(20, 64) - prefill.base_s  # the fixed cost once
+    want_restore = 2 * 16 * p.model("m").kv_bytes_per_token / p.bandwidth.restore  # 2 pages of 16 tokens
+    assert p.step_parts(plan, 16) == pytest.approx((want_prefill + want_restore, decode.seconds(2, 100 + 10)))
+    assert p.step_s(plan, 16) == pytest.approx(want_prefill + want_restore + decode.seconds(2, 110), rel=1e-15)
+    assert p.step_s(StepPlan("m", ()), 16) == 0.0
 
 
 def test_lookups_of_unknown_models_say_what_exists():

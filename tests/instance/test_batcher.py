@@ -53,11 +53,11 @@ def test_single_prompt_is_admitted_then_decoded_growing_a_page_at_the_boundary()
     b.add(a)
     assert step(b, [a], {0: 20}, now=3.0) == plan_of(SeqChunk(0, tuple(p), 0, (0, 1), True))
     assert (a.status, a.first_scheduled, a.num_computed, a.token_ids) == (SeqStatus.RUNNING, 3.0, 5, p + [20])
-    assert step(b, [a], {0: 21}) == plan_of(SeqChunk(0, (20,), 5, (0, 1), True))
-    assert step(b, [a], {0: 22}) == plan_of(SeqChunk(0, (21,), 6, (0, 1), True))
-    assert step(b, [a], {0: 23}) == plan_of(SeqChunk(0, (22,), 7, (0, 1), True))
+    assert step(b, [a], {0: 21}) == plan_of(SeqChunk(0, (20,), 5, (0, 1), True, decode=True))
+    assert step(b, [a], {0: 22}) == plan_of(SeqChunk(0, (21,), 6, (0, 1), True, decode=True))
+    assert step(b, [a], {0: 23}) == plan_of(SeqChunk(0, (22,), 7, (0, 1), True, decode=True))
     # 9 tokens no longer fit two pages: the next decode takes page 2
-    assert step(b, [a], {0: 24}) == plan_of(SeqChunk(0, (23,), 8, (0, 1, 2), True))
+    assert step(b, [a], {0: 24}) == plan_of(SeqChunk(0, (23,), 8, (0, 1, 2), True, decode=True))
     assert a.token_ids == p + [20, 21, 22, 23, 24]
     assert a.finish is None and b.pages.num_free == 5
     # both full computed pages are published under the sequence's hash chain
@@ -87,20 +87,20 @@ def test_long_prompt_is_chunked_while_a_running_sequence_decodes_every_step():
     assert step(b, seqs, {0: 50}) == plan_of(SeqChunk(0, tuple(pa), 0, (0,), True))
     b.add(long)
     assert step(b, seqs, {0: 51}) == plan_of(
-        SeqChunk(0, (50,), 3, (0,), True),
+        SeqChunk(0, (50,), 3, (0,), True, decode=True),
         SeqChunk(1, tuple(pl[0:5]), 0, (1, 2, 3, 4), False),
     )
     assert step(b, seqs, {0: 52}) == plan_of(
-        SeqChunk(0, (51,), 4, (0, 5), True),  # decode first, even though it needs a new page
+        SeqChunk(0, (51,), 4, (0, 5), True, decode=True),  # decode first, even though it needs a new page
         SeqChunk(1, tuple(pl[5:10]), 5, (1, 2, 3, 4), False),
     )
     assert step(b, seqs, {0: 53, 1: 60}) == plan_of(
-        SeqChunk(0, (52,), 5, (0, 5), True),
+        SeqChunk(0, (52,), 5, (0, 5), True, decode=True),
         SeqChunk(1, tuple(pl[10:13]), 10, (1, 2, 3, 4), True),
     )
     assert step(b, seqs, {0: 54, 1: 61}) == plan_of(
-        SeqChunk(0, (53,), 6, (0, 5), True),
-        SeqChunk(1, (60,), 13, (1, 2, 3, 4), True),
+        SeqChunk(0, (53,), 6, (0, 5), True, decode=True),
+        SeqChunk(1, (60,), 13, (1, 2, 3, 4), True, decode=True),
     )
     assert long.token_ids == pl + [60, 61]
 
@@ -153,8 +153,8 @@ def test_preemption_picks_the_newest_running_sequence_and_requeues_it_first():
     b.add(d)
     # a needs a fifth slot, no page is free: c (newest) is preempted, not b; its tail page 7 goes to a
     assert b.plan(0.0) == plan_of(
-        SeqChunk(0, (100,), 4, (0, 7), True),
-        SeqChunk(1, (200,), 10, (1, 2, 3), True),
+        SeqChunk(0, (100,), 4, (0, 7), True, decode=True),
+        SeqChunk(1, (200,), 10, (1, 2, 3), True, decode=True),
     )
     assert b.preemptions == 1
     assert b.running == [a, bb]
@@ -178,7 +178,7 @@ def test_readmission_after_preemption_recomputes_generated_tokens_from_the_prefi
     # the rest of its prompt plus its generated token are recomputed into pages 7 and 0
     plan = b.plan(0.0)
     assert plan == plan_of(
-        SeqChunk(1, (201,), 11, (1, 2, 3), True),
+        SeqChunk(1, (201,), 11, (1, 2, 3), True, decode=True),
         SeqChunk(2, tuple(pc[12:]) + (300,), 12, (4, 5, 6, 7, 0), True,
                  prefix=(40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51)),  # pc[:12], reused
     )
@@ -196,7 +196,7 @@ def test_a_decode_preempts_itself_when_every_other_sequence_is_already_planned()
     b.add(bb)
     step(b, [a, bb], {0: 100, 1: 200})
     # a decodes within page 0; bb (newest) needs a third page, none is free and a is planned
-    assert b.plan(0.0) == plan_of(SeqChunk(0, (100,), 3, (0,), True))
+    assert b.plan(0.0) == plan_of(SeqChunk(0, (100,), 3, (0,), True, decode=True))
     assert b.running == [a] and list(b.waiting) == [bb] and b.preemptions == 1
     assert (bb.page_table, bb.num_computed, bb.token_ids) == ([], 0, pb + [200])
 
@@ -252,7 +252,7 @@ def test_ignore_eos_keeps_decoding_past_eos():
     b.add(a)
     step(b, [a], {0: EOS})
     assert a.finish is None and a.status is SeqStatus.RUNNING
-    assert b.plan(0.0) == plan_of(SeqChunk(0, (EOS,), 5, (0, 1), True))
+    assert b.plan(0.0) == plan_of(SeqChunk(0, (EOS,), 5, (0, 1), True, decode=True))
 
 
 def test_stop_token_ids_finish_with_stop_even_with_ignore_eos():
@@ -329,7 +329,7 @@ def test_remove_of_a_waiting_sequence_leaves_the_queue_and_pages():
     b.remove(bb)
     assert (bb.status, list(b.waiting), b.pages.num_free) == (SeqStatus.FINISHED, [c], 2)
     assert b.plan(0.0) == plan_of(
-        SeqChunk(0, (20,), 24, (0, 1, 2, 3, 4, 5, 6), True),
+        SeqChunk(0, (20,), 24, (0, 1, 2, 3, 4, 5, 6), True, decode=True),
         SeqChunk(2, tuple(pc), 0, (7,), True),
     )
 

@@ -102,7 +102,7 @@ def test_forcing_the_active_model_does_nothing():
     inst.clock.now = 0.25  # inside a's slot
     inst.scheduler.force_switch("a")
     plan, _ = inst.step()
-    assert plan == StepPlan("a", (SeqChunk(0, (50,), 6, (0, 1), True),), MemoryOps())
+    assert plan == StepPlan("a", (SeqChunk(0, (50,), 6, (0, 1), True, decode=True),), MemoryOps())
     assert inst.scheduler.switches == [] and inst.scheduler.active == "a"
 
 
@@ -201,7 +201,7 @@ def test_the_preempted_sequence_is_restored_from_host_when_its_model_is_active_a
     assert out == [CallOutput("r1", (53,), committed_kv_tokens=10)]
     inst.clock.now = 1.125
     plan, [out] = inst.step(54)
-    assert plan.chunks == (SeqChunk(1, (53,), 10, (0, 1, 2), True),)
+    assert plan.chunks == (SeqChunk(1, (53,), 10, (0, 1, 2), True, decode=True),)
     assert plan.chunks[0].prefix == ()  # a decode after admission carries no prefix
     assert out.token_ids == (54,) and out.finish is FinishReason.LENGTH
     # its prompt was computed at its first admission: the restore is not a prefix hit of this call

@@ -43,7 +43,7 @@ class Clock:
 def snapshot(name: str, active: str | None = "m", waiting: int = 0, sessions=(), version: int = 1,
              busy: tuple[str, ...] = ()) -> InstanceStats:
     queues = tuple(ModelQueue(m, 1 if m in busy else 0, 0, m == active) for m in ("m", "n"))
-    rounds = RoundState(1, 0.0, None, {}, 0, 0, (), {}, round_s=10.0)
+    rounds = RoundState(1, 0.0, None, {}, 0, 0, (), round_s=10.0)
     return InstanceStats(name, waiting, 0, 0, 1000, models=("m", "n"), active_model=active, version=version,
                          pool=Pool.COLD, queues=queues, rounds=rounds, sessions=tuple(sessions), page_size=16)
 

@@ -19,7 +19,7 @@ def fold(events: list[dict]) -> RoundTimeline:
 def round_state(number: int | None, phase: str = "D1", model: str = "b", round_s: float = 2.0) -> RoundState:
     slot = {"model": model, "phase": phase, "budget_s": 1.0, "elapsed_s": 0.3, "protected": 4, "decode_steps": 3,
             "sp_opportunities": 0} if number is not None else None
-    return RoundState(number, 0.5, slot, {}, 0, 0, (), {}, round_s)
+    return RoundState(number, 0.5, slot, {}, 0, 0, (), round_s)
 
 
 def test_the_docs_example_round_paints_its_phases_to_scale():
@@ -81,7 +81,7 @@ def test_a_forced_switch_between_rounds_belongs_to_neither():
 def test_telemetry_round_summaries_fill_rounds_the_dashboard_never_saw():
     timeline = RoundTimeline()
     summary = {k: v for k, v in DOC_ROUND[-1].items() if k not in ("seq", "t", "instance", "kind")}
-    timeline.observe(RoundState(None, 0.0, None, {}, 1, 0, (summary,), {}, 1.6), t=2.0)
+    timeline.observe(RoundState(None, 0.0, None, {}, 1, 0, (summary,), 1.6), t=2.0)
     view = timeline.view(now=2.0)
     assert view.number == 1 and view.closed.sp_admitted == 1 and view.budget_s == 1.6
 

@@ -1,0 +1,141 @@
+"""`talaria.routing.dispatcher`: views kept current from the node's instances, sessions named,
+the overload policy applied, completions turned into leases and remembered conversations.
+
+The node is the gateway tests' in-process `FakeEchoSupervisor` (a `NodeHandle` with a real event
+log); its instances carry the toy cost profile of the router tests when they are "ready".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from talaria.config.schema import Overload, RouterConfig, RouterPolicy
+from talaria.contracts.call import InstanceReady, Usage
+from talaria.contracts.events import EventKind
+from talaria.node.errors import InstanceUnavailable
+from talaria.routing.decision import Reason, RouteRequest
+from talaria.routing.dispatcher import Dispatcher
+from talaria.routing.errors import Overloaded
+from tests.gateway.fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor
+from tests.routing.test_router import PROFILE, snapshot
+
+NOW = 50.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+PROFILE_ECHO = PROFILE.with_model(dataclasses.replace(PROFILE.models["m"], name=MODEL))
+
+
+def ready(group: FakeEchoGroup, version: int = 1, waiting: int = 0) -> None:
+    """What a started instance has: a ready message with its profile and a snapshot taken now."""
+    group.ready = InstanceReady(group.name, (MODEL,), 100, 0.1, profile=PROFILE_ECHO)
+    group.stats = dataclasses.replace(snapshot(group.name, active=MODEL, waiting=waiting, version=version), time=NOW)
+
+
+def dispatcher(*groups: FakeEchoGroup, clock: Clock, **router) -> tuple[Dispatcher, FakeEchoSupervisor]:
+    node = FakeEchoSupervisor(list(groups), router=RouterConfig(**{"policy": RouterPolicy.FULL, **router}))
+    return Dispatcher(node, node.config.router, clock), node
+
+
+def request(session: str | None = "s1", prompt_tokens: int = 40) -> RouteRequest:
+    return RouteRequest(MODEL, session, prompt_tokens, 4, "r1")
+
+
+def place(d: Dispatcher, req: RouteRequest, chain=(), inferred=False, chat=True):
+    return asyncio.run(d.place(req, chain, inferred, chat, tuple(range(req.prompt_tokens))))
+
+
+def test_sync_copies_health_load_profile_and_snapshot_into_the_views():
+    clock = Clock()
+    a, b = FakeEchoGroup("hot0"), FakeEchoGroup("hot1", healthy=False, in_flight=3)
+    ready(a, version=7)
+    d, _ = dispatcher(a, b, clock=clock)
+    d.sync()
+    va, vb = d.router.views["hot0"], d.router.views["hot1"]
+    assert (va.healthy, va.profile, va.snapshot.version, va.models) == (True, PROFILE_ECHO, 7, (MODEL,))
+    assert va.received_at == a.stats.time  # the instance's own clock dates its snapshot
+    assert (vb.healthy, vb.in_flight, vb.profile, vb.snapshot) == (False, 3, None, None)
+
+
+def test_a_call_goes_to_a_healthy_ready_instance_and_counts_as_sent():
+    clock = Clock()
+    a, b = FakeEchoGroup("hot0", healthy=False), FakeEchoGroup("hot1")
+    ready(a)
+    ready(b)
+    d, node = dispatcher(a, b, clock=clock)
+    placement = place(d, request())
+    assert placement.group is b and placement.peer is None
+    assert placement.decision.reason is Reason.RANKED
+    assert d.router.views["hot1"].sent == 1
+    routes = [e for e in node.events.since(0) if e.kind is EventKind.ROUTE]
+    assert [(e.instance, e.data["target"], e.data["reason"]) for e in routes] == [("router", "hot1", "ranked")]
+
+
+def test_no_healthy_instance_is_unavailable_and_a_full_one_is_overloaded():
+    clock = Clock()
+    down = FakeEchoGroup("hot0", healthy=False)
+    d, _ = dispatcher(down, clock=clock)
+    with pytest.raises(InstanceUnavailable, match=f"no healthy instance serves model {MODEL!r}"):
+        place(d, request())
+    busy = FakeEchoGroup("hot0")
+    ready(busy, waiting=10_000)  # a queue no call could start behind within max_queue_s
+    d, _ = dispatcher(busy, clock=clock)
+    with pytest.raises(Overloaded, match="at capacity") as info:
+        place(d, request())
+    assert info.value.retry_after_s > 0
+
+
+def test_a_queued_call_waits_until_an_instance_admits_it():
+    clock = Clock()
+    group = FakeEchoGroup("hot0")
+    ready(group, waiting=10_000)
+    d, _ = dispatcher(group, clock=clock, overload=Overload.QUEUE, queue_timeout_s=60.0)
+
+    async def scenario():
+        task = asyncio.create_task(d.place(request(), (), False, True, tuple(range(40))))
+        await asyncio.sleep(0.12)  # a couple of polls, still full
+        assert not task.done()
+        ready(group, version=2)  # the queue drained
+        return await task
+    placement = asyncio.run(scenario())
+    assert placement.group is group
+
+
+def test_a_finished_call_leaves_a_lease_and_its_conversation_for_the_next_call():
+    clock = Clock()
+    group = FakeEchoGroup("hot0")
+    ready(group)
+    d, _ = dispatcher(group, clock=clock)
+    messages = [{"role": "user", "content": "list the files"}]
+    session, chain, inferred = d.session(MODEL, None, messages, ())
+    assert inferred and session.startswith("auto-")
+    placement = place(d, request(session), chain, inferred)
+    d.finished(placement, Usage(40, 4, 0), "a.txt b.txt", (1, 2, 3, 4))
+    lease = d.router.leases.get(session, MODEL)
+    assert lease is not None and lease.instance == "hot0"
+    assert d.router.views["hot0"].in_flight == 0
+    follow_up = messages + [{"role": "assistant", "content": "a.txt b.txt"}, {"role": "user", "content": "read a.txt"}]
+    assert d.session(MODEL, None, follow_up, ())[0] == session  # recognised by its conversation
+    assert d.session(MODEL, "client-id", follow_up, ()) == ("client-id", (), False)  # the client's id wins
+    again = place(d, request(session))
+    assert again.decision.reason is Reason.LEASE_HIT
+
+
+def test_a_failed_call_releases_its_slot_without_a_lease():
+    clock = Clock()
+    group = FakeEchoGroup("hot0")
+    ready(group)
+    d, _ = dispatcher(group, clock=clock)
+    placement = place(d, request("s9"))
+    d.finished(placement, None, "", ())
+    assert d.router.leases.get("s9", MODEL) is None
