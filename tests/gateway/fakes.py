@@ -170,13 +170,19 @@ class FakeEchoSupervisor:
 
 @contextmanager
 def serve_over_loopback(group: FakeEchoGroup, api_key: str | None = None) -> Iterator[str]:
-    """The real gateway over `group` under uvicorn in a thread, on a socket bound before the thread
-    starts (the kernel queues connections until uvicorn accepts them: no start-up wait); its URL."""
-    import uvicorn
-
+    """The real gateway over `group`, served on loopback (`serve_app`); its URL."""
     from talaria.gateway.gateway import create_app
 
-    app = create_app(FakeEchoSupervisor([group], api_key=api_key, max_position=4096))
+    with serve_app(create_app(FakeEchoSupervisor([group], api_key=api_key, max_position=4096))) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(app) -> Iterator[str]:
+    """An ASGI app under uvicorn in a thread, on a socket bound before the thread starts (the kernel
+    queues connections until uvicorn accepts them: no start-up wait); its URL."""
+    import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)

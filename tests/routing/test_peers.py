@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
@@ -24,6 +19,7 @@ from talaria.config.schema import PeerConfig, RouterConfig
 from talaria.routing.peers import PeerLink
 from talaria.routing.router import Router
 from tests.conftest import Server
+from tests.gateway.fakes import serve_app
 
 
 def link_to(url: str) -> tuple[PeerLink, Router]:
@@ -54,24 +50,11 @@ def test_a_real_nodes_instances_are_mirrored_with_snapshot_profile_and_health(se
     assert hot.received_at <= 100.0  # dated by the snapshot's age on the peer's clock
 
 
-@contextmanager
-def peer_answering(state: dict[str, bytes]) -> Iterator[str]:
+def peer_answering(state: dict[str, bytes]):
     """A loopback HTTP server whose /talaria/telemetry answers whatever `state["body"]` holds now."""
     async def telemetry(request):
         return Response(state["body"], media_type="application/json")
-    app = Starlette(routes=[Route("/talaria/telemetry", telemetry)])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    return serve_app(Starlette(routes=[Route("/talaria/telemetry", telemetry)]))
 
 
 def test_a_garbled_foreign_or_vanished_peer_is_marked_unhealthy_and_the_link_goes_on(server: Server):

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from talaria.routing.sessions import LastCall, SessionTable
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.instance.scheduler_harness import FakeClock
 
 
 def test_an_entry_lives_for_its_ttl_after_the_call_finished():
-    clock = Clock()
+    clock = FakeClock()
     table = SessionTable(10.0, clock)
     clock.now = 5.0
     table.put("s", "m", "i0", 300)
@@ -28,7 +21,7 @@ def test_an_entry_lives_for_its_ttl_after_the_call_finished():
 
 
 def test_a_later_call_replaces_the_entry_and_counts_as_newest():
-    clock = Clock()
+    clock = FakeClock()
     table = SessionTable(100.0, clock, capacity=2)
     table.put("a", "m", "i0")
     clock.now = 1.0
@@ -43,7 +36,7 @@ def test_a_later_call_replaces_the_entry_and_counts_as_newest():
 
 
 def test_a_put_evicts_expired_entries_from_the_front():
-    clock = Clock()
+    clock = FakeClock()
     table = SessionTable(1.0, clock)
     for i in range(5):
         clock.now = float(i)
@@ -53,4 +46,4 @@ def test_a_put_evicts_expired_entries_from_the_front():
 
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity must be >= 1"):
-        SessionTable(1.0, Clock(), capacity=0)
+        SessionTable(1.0, FakeClock(), capacity=0)
