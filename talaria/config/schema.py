@@ -79,6 +79,23 @@ class SyntheticShape:
     family: str = "llama"  # llama | qwen2 (q/k/v bias) | qwen3 (q/k norm)
 
 
+class ToolParser(str, Enum):
+    """How a model writes tool calls in its output (docs/api.md)."""
+
+    AUTO = "auto"  # from the chat template: llama3_json if it has Llama 3's ipython role, else hermes
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call>: Hermes, Qwen2.5/3, and the default
+    LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": ...}; ...: Llama 3.1 and later
+    NONE = "none"  # no tool calling: a request with tools is refused
+
+
+class ReasoningParser(str, Enum):
+    """Whether a model thinks before it answers, and how (docs/api.md)."""
+
+    AUTO = "auto"  # think when the chat template writes <think>
+    THINK = "think"  # <think>...</think> first: returned as reasoning_content (Qwen3)
+    NONE = "none"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str  # the OpenAI "model" field
@@ -87,6 +104,8 @@ class ModelConfig:
     dtype: str = "float32"  # one of DTYPES
     seed: int = 0  # synthetic weights only
     shape: SyntheticShape | None = None  # synthetic only
+    tool_parser: ToolParser = ToolParser.AUTO  # how its output's tool calls are written
+    reasoning_parser: ReasoningParser = ReasoningParser.AUTO  # whether its output starts with reasoning
 
     @property
     def is_synthetic(self) -> bool:

@@ -38,6 +38,7 @@ class SamplingParams:
     seed: int | None = None  # same seed + same prompt -> same tokens
     ignore_eos: bool = False  # replay needs fixed completion lengths
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
+    grammar: str | None = None  # llguidance grammar the output must follow (constrained decoding); None: free
 
     @property
     def greedy(self) -> bool:

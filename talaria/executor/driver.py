@@ -20,6 +20,7 @@ from talaria.contracts.profile_file import load_profile
 from talaria.contracts.step_plan import SwitchPlan
 from talaria.executor.calibrate import cached_calibration, calibrate
 from talaria.executor.executor import Executor
+from talaria.executor.grammar_masks import GrammarMasks
 from talaria.executor.probes import FULL, QUICK, Probes
 from talaria.executor.sampler import Sampler
 from talaria.instance.assembly import assemble
@@ -31,7 +32,7 @@ class Driver:
         self.executor = executor
         self.scheduler = scheduler
         self.profile = profile  # the costs it runs on: the router's cost model too
-        self.sampler = Sampler()
+        self.sampler = Sampler(GrammarMasks({n: img.files for n, img in executor.substrate.images.items()}))
 
     @property
     def has_work(self) -> bool:
@@ -55,12 +56,16 @@ class Driver:
             return []
         logits, reports = self.executor.run(plan)
         sampled: dict[int, int] = {}
+        failed: dict[str, str] = {}
         if logits is not None:
             chunks = [c for c in plan.chunks if c.sample]
             calls = [self.scheduler.call_of(c.seq_id) for c in chunks]
-            tokens = self.sampler.sample(logits, [(c.request_id, c.sampling) for c in calls])
+            tokens, failed = self.sampler.sample(logits, [(c.request_id, c.sampling) for c in calls], plan.model)
             sampled = {c.seq_id: t for c, t in zip(chunks, tokens)}
-        return self._forget_finished(self.scheduler.commit(plan, sampled, time.perf_counter() - t0, reports))
+        outputs = self.scheduler.commit(plan, sampled, time.perf_counter() - t0, reports)
+        for request_id, why in failed.items():  # one call's grammar fails that call, not the step
+            outputs += self.scheduler.fail(request_id, why)
+        return self._forget_finished(outputs)
 
     def stats(self) -> InstanceStats:
         return self.scheduler.stats()

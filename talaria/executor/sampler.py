@@ -2,6 +2,8 @@
 
 Each call draws from its own torch.Generator, so a seeded call gives the same tokens whatever else
 shares its batches, and a preempted call continues the same random stream when it is recomputed.
+A call with a grammar draws only among the tokens its grammar allows (talaria/executor/grammar_masks.py);
+the other calls of the batch are untouched.
 """
 
 from __future__ import annotations
@@ -9,26 +11,44 @@ from __future__ import annotations
 import torch
 
 from talaria.contracts.call import SamplingParams
+from talaria.executor.grammar_masks import GrammarError, GrammarMasks
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, grammars: GrammarMasks | None = None, seed: int = 0) -> None:
         self._seeds = torch.Generator().manual_seed(seed)  # seeds calls that bring none
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = grammars if grammars is not None else GrammarMasks({})
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.grammars.forget(request_id)
 
-    def sample(self, logits: torch.Tensor, calls: list[tuple[str, SamplingParams]]) -> list[int]:
-        """logits: (S, V), one row per call in `calls` (request id, params)."""
+    def sample(self, logits: torch.Tensor, calls: list[tuple[str, SamplingParams]],
+               model: str = "") -> tuple[list[int], dict[str, str]]:
+        """logits: (S, V), one row per call in `calls` (request id, params) of `model`. Returns the
+        tokens, and the calls that cannot go on (request id -> why: a grammar the vocabulary cannot
+        follow); each of those got some token, and the caller fails it."""
         greedy = logits.argmax(dim=-1).tolist()
-        out = []
+        out, failed = [], {}
         for row, (request_id, params) in enumerate(calls):
-            if params.greedy:
+            if params.grammar is not None:
+                try:
+                    allowed = self.grammars.allowed(request_id, model, params.grammar, logits.shape[-1])
+                except GrammarError as e:
+                    failed[request_id] = str(e)
+                    out.append(greedy[row])
+                    continue
+                row_logits = logits[row].float().masked_fill(~allowed, float("-inf"))
+                token = int(row_logits.argmax()) if params.greedy else \
+                    self._draw(row_logits, params, self._generator(request_id, params))
+                self.grammars.consume(request_id, token)
+                out.append(token)
+            elif params.greedy:
                 out.append(greedy[row])
-                continue
-            out.append(self._draw(logits[row].float(), params, self._generator(request_id, params)))
-        return out
+            else:
+                out.append(self._draw(logits[row].float(), params, self._generator(request_id, params)))
+        return out, failed
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         g = self._generators.get(request_id)

@@ -50,6 +50,7 @@ from talaria.gateway.errors import (
 from talaria.gateway.generation import TextGeneration
 from talaria.gateway.metrics import GatewayMetrics
 from talaria.gateway.openai_protocol import Endpoint, ParsedRequest, parse_request
+from talaria.gateway.output_parser import parse
 from talaria.gateway.peer_forward import FORWARDED_HEADER, forward
 from talaria.gateway.responses import DONE, ResponseFormat, sse
 from talaria.gateway.sse import CancelOnDisconnect, SSEResponse
@@ -159,7 +160,8 @@ class Gateway:
                             session, enqueue_time=arrival)
         gen = TextGeneration(group, call, self.supervisor.tokenizer(parsed.model), parsed.stop, self._clock)
         gen.placement = placement
-        fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage)
+        fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage,
+                             lambda: f"call_{self._new_id()[:24]}")
         log.debug("%s: %s on %s, %d prompt tokens", request_id, parsed.model, group.name, len(call.prompt_token_ids))
         headers = {"x-request-id": request_id}
         if parsed.stream:
@@ -173,10 +175,18 @@ class Gateway:
             first = fmt.first_chunk()
             if first is not None:
                 yield first
+            parser = parsed.output_parser()
             try:
                 async with aclosing(gen.text()) as deltas:
                     async for text in deltas:
-                        yield fmt.text_chunk(text)
+                        if parser is None:
+                            yield fmt.text_chunk(text)
+                            continue
+                        for event in parser.feed(text):
+                            yield fmt.event_chunk(event)
+                if parser is not None:
+                    for event in parser.finish():
+                        yield fmt.event_chunk(event)
             except (InstanceFailed, InstanceUnavailable) as e:
                 yield sse(_instance_error(e, gen.call.request_id).body())
                 return  # no [DONE]: the stream ends in error
@@ -185,7 +195,8 @@ class Gateway:
                 yield sse(APIError(500, f"internal server error (request id {gen.call.request_id})",
                                    SERVER_ERROR).body())
                 return
-            yield fmt.finish_chunk(gen.finish_reason or "stop")
+            gen.reply_message = fmt.streamed_message()
+            yield fmt.finish_chunk(fmt.finish_reason(gen.finish_reason or "stop"))
             if parsed.include_usage and gen.usage is not None:
                 yield fmt.usage_chunk(gen.usage)
             yield DONE
@@ -204,8 +215,12 @@ class Gateway:
                 if gen.timings is not None:  # what the instance spent on the call; the rest is gateway and pipe
                     headers["x-talaria-instance-time"] = f"{gen.timings.service_s:.6f}"
                 headers["x-talaria-instance"] = gen.group.name
-                response = _SentThen(fmt.whole("".join(parts), gen.finish_reason, gen.usage), headers,
-                                     lambda: self._record(gen, parsed, arrival))
+                text = "".join(parts)
+                output = parse(text, parsed.tool_format, parsed.reasoning) if parsed.output_parser() else None
+                body = fmt.whole(text, gen.finish_reason, gen.usage, output)
+                if parsed.endpoint is Endpoint.CHAT:
+                    gen.reply_message = body["choices"][0]["message"]
+                response = _SentThen(body, headers, lambda: self._record(gen, parsed, arrival))
         except (InstanceFailed, InstanceUnavailable) as e:
             raise _instance_error(e, gen.call.request_id) from None
         finally:
@@ -220,7 +235,7 @@ class Gateway:
         """Routing state for every call that ends; metrics and the session's lease for normal ends."""
         normal = gen.finish_reason is not None and gen.usage is not None and gen.finished_at is not None
         placement: Placement = gen.placement
-        self.dispatcher.finished(placement, gen.usage if normal else None, "".join(gen.reply), gen.output_ids)
+        self.dispatcher.finished(placement, gen.usage if normal else None, gen.reply_message, gen.output_ids)
         if normal:
             self.metrics.observe_call(parsed.model, gen.group.name, arrival, gen.first_token_at, gen.finished_at,
                                       gen.usage)

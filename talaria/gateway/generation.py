@@ -40,6 +40,7 @@ class TextGeneration:
         self.completion_tokens = 0
         self.output_ids: list[int] = []  # every generated token, for the session continuity index
         self.reply: list[str] = []  # every text delta sent
+        self.reply_message: dict | None = None  # the assistant message as the client has it (chat), when whole
         self.placement = None  # the router's Placement of this call (talaria.routing.dispatcher)
         self.timings: CallTimings | None = None  # the instance's own account of the call (final record)
         self.first_token_at: float | None = None

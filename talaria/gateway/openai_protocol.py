@@ -11,9 +11,12 @@ Choices where OpenAI leaves room:
   chat; 16 for completions, OpenAI's documented legacy default).
 - prompt tokens + max_tokens > context length: 400 `context_length_exceeded` (no silent clamping).
 - `session_id` in the body wins over the `X-Session-Id` header.
-- Features the engine lacks (n > 1, logprobs, penalties, JSON mode, forced tool_choice, echo,
-  suffix) are 400s rather than being silently ignored; unknown fields are ignored, as most OpenAI
-  servers do. `tools` reach the chat template, but tool calls come back as text in `content`.
+- Features the engine lacks (n > 1, logprobs, penalties, echo, suffix) are 400s rather than being
+  silently ignored; unknown fields are ignored, as most OpenAI servers do.
+- Tools (talaria/gateway/tools.py) reach the chat template, tool calls and reasoning are parsed out
+  of the output (talaria/gateway/output_parser.py), and a forced `tool_choice` or a JSON
+  `response_format` constrains decoding with a grammar (talaria/gateway/grammar.py). Every field:
+  docs/api.md.
 """
 
 from __future__ import annotations
@@ -24,9 +27,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jinja2 import TemplateError
 
+from talaria.config.schema import TalariaConfig, ToolParser
 from talaria.contracts.arch import ModelArch
 from talaria.contracts.call import SamplingParams
 from talaria.gateway.errors import NOT_FOUND, APIError
+from talaria.gateway.fields import Fields
+from talaria.gateway.grammar import response_format_grammar, tool_call_grammar
+from talaria.gateway.output_parser import OutputParser
+from talaria.gateway.tools import (
+    ToolChoice,
+    model_formats,
+    parse_tools,
+    template_messages,
+)
 from talaria.models.errors import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -47,6 +60,8 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 class ModelCatalog(Protocol):
     """What parsing needs to know about models; the supervisor provides it."""
 
+    config: TalariaConfig
+
     def model_names(self) -> list[str]: ...
     def tokenizer(self, model: str) -> Tokenizer: ...
     def arch(self, model: str) -> ModelArch: ...
@@ -62,6 +77,14 @@ class ParsedRequest:
     include_usage: bool  # stream_options.include_usage: a final usage chunk before [DONE]
     stop: tuple[str, ...]  # stop strings, matched by the gateway on detokenized text
     session_id: str | None  # body `session_id`, else header `X-Session-Id`
+    tool_format: ToolParser | None = None  # parse tool calls of this format out of the output (None: don't)
+    reasoning: bool = False  # the output starts with <think>...</think>: returned as reasoning_content
+
+    def output_parser(self) -> OutputParser | None:
+        """A fresh parser for this call's output; None when the output is plain text."""
+        if self.tool_format is None and not self.reasoning:
+            return None
+        return OutputParser(self.tool_format, self.reasoning)
 
 
 def parse_request(
@@ -70,7 +93,7 @@ def parse_request(
     """Validate one request body against the model catalog; raise APIError on any problem."""
     if not isinstance(body, dict):
         raise APIError.invalid("the request body must be a JSON object")
-    f = _Fields(body)
+    f = Fields(body)
     model = f.string("model", required=True)
     if model not in catalog.model_names():
         raise APIError(404, f"The model {model!r} does not exist; GET /v1/models lists the served models.",
@@ -84,7 +107,7 @@ def parse_request(
             raise APIError.invalid("stream_options must be an object", "stream_options")
         if not stream:
             raise APIError.invalid("stream_options is only allowed when stream is true", "stream_options")
-        include_usage = _Fields(options, "stream_options.").boolean("include_usage", False)
+        include_usage = Fields(options, "stream_options.").boolean("include_usage", False)
 
     max_param = "max_tokens"
     if endpoint is Endpoint.CHAT and f.get("max_completion_tokens") is not None:
@@ -106,9 +129,26 @@ def parse_request(
     tokenizer = catalog.tokenizer(model)
     arch = catalog.arch(model)
     stop_ids = f.int_list("stop_token_ids", minimum=0, below=arch.vocab_size)
+    grammar, tool_format, reasoning = None, None, False
     if endpoint is Endpoint.CHAT:
         prompt_param = "messages"
-        prompt_ids = _chat_prompt(tokenizer, _messages(f), _tools(f))
+        tools = parse_tools(f)
+        formats = model_formats(catalog.config.model(model), tokenizer)
+        if tools is not None and tools.choice is not ToolChoice.NONE:
+            if formats.tools is None:
+                raise APIError.invalid(f"model {model!r} does not call tools (its tool_parser is \"none\")", "tools")
+            tool_format = formats.tools
+        messages, offered = template_messages(_messages(f), tools, formats)
+        prompt_ids = _chat_prompt(tokenizer, messages, offered)
+        reasoning = formats.reasoning
+        if tools is not None and tools.forced:
+            grammar = tool_call_grammar(formats.tools, tools.forced, tools.parallel and tools.named is None)
+        response_grammar = response_format_grammar(f)
+        if response_grammar is not None:
+            if grammar is not None:
+                raise APIError.invalid("response_format cannot be enforced together with a forced tool_choice",
+                                       "response_format")
+            grammar = response_grammar
     else:
         prompt_param = "prompt"
         prompt_ids = _completion_prompt(f, tokenizer, arch.vocab_size)
@@ -138,11 +178,13 @@ def parse_request(
         seed=seed,
         ignore_eos=ignore_eos,
         stop_token_ids=stop_ids,
+        grammar=grammar,
     )
-    return ParsedRequest(endpoint, model, prompt_ids, sampling, stream, include_usage, stops, session_id)
+    return ParsedRequest(endpoint, model, prompt_ids, sampling, stream, include_usage, stops, session_id,
+                         tool_format, reasoning)
 
 
-def _reject_unsupported(f: _Fields, endpoint: Endpoint) -> None:
+def _reject_unsupported(f: Fields, endpoint: Endpoint) -> None:
     """400 for features a client would otherwise believe were honoured."""
     n = f.integer("n", minimum=1)
     if n not in (None, 1):
@@ -155,9 +197,6 @@ def _reject_unsupported(f: _Fields, endpoint: Endpoint) -> None:
     if endpoint is Endpoint.CHAT:
         if f.get("logprobs") not in (None, False) or f.get("top_logprobs") not in (None, 0):
             raise APIError.invalid("logprobs are not supported", "logprobs")
-        fmt = f.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise APIError.invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
     else:
         if f.get("logprobs") not in (None, 0):
             raise APIError.invalid("logprobs are not supported", "logprobs")
@@ -169,7 +208,7 @@ def _reject_unsupported(f: _Fields, endpoint: Endpoint) -> None:
             raise APIError.invalid("suffix is not supported", "suffix")
 
 
-def _messages(f: _Fields) -> list[dict[str, Any]]:
+def _messages(f: Fields) -> list[dict[str, Any]]:
     """Chat messages as the chat template expects them: content flattened to a string."""
     messages = f.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -192,6 +231,11 @@ def _messages(f: _Fields) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise APIError.invalid(f"{where}.content must be a string or an array of text parts",
                                    f"{where}.content")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], where, role)
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise APIError.invalid(f"{where}.tool_call_id must be the id of the call this message answers",
+                                   f"{where}.tool_call_id")
         msg = dict(m)
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = content
@@ -199,24 +243,17 @@ def _messages(f: _Fields) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(f: _Fields) -> list[dict[str, Any]] | None:
-    """Tool definitions for the chat template, or None. Tool calls come back as plain text in
-    `content`: there is no tool-call parser yet, so `tool_choice` cannot be forced."""
-    tools = f.get("tools")
-    choice = f.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise APIError.invalid("only tool_choice \"auto\" or \"none\" is supported", "tool_choice")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise APIError.invalid("tools must be an array", "tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str) and fn["name"]):
-            raise APIError.invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                                   f"tools[{i}]")
-    return tools if tools and choice != "none" else None
+def _check_tool_calls(calls: Any, where: str, role: str) -> None:
+    """An assistant message's earlier calls, as OpenAI returned them: id, type, name, arguments text."""
+    if role != "assistant" or not isinstance(calls, list):
+        raise APIError.invalid(f"{where}.tool_calls must be an array, on an assistant message", f"{where}.tool_calls")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+                and isinstance(call.get("id"), str)):
+            raise APIError.invalid(f"{where}.tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
+                                   f"\"function\": {{\"name\": ..., \"arguments\": \"<JSON text>\"}}}}",
+                                   f"{where}.tool_calls[{j}]")
 
 
 def _chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]],
@@ -235,7 +272,7 @@ def _text_part(part: Any, where: str) -> str:
     raise APIError.invalid(f"{where}: only text content parts are supported", where)
 
 
-def _completion_prompt(f: _Fields, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
+def _completion_prompt(f: Fields, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
     """A string, a list of token ids, or a one-element batch of either."""
     prompt = f.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -245,11 +282,11 @@ def _completion_prompt(f: _Fields, tokenizer: Tokenizer, vocab_size: int) -> tup
     if isinstance(prompt, str):
         return tuple(tokenizer.encode(prompt))
     if isinstance(prompt, list):
-        return _Fields({"prompt": prompt}).int_list("prompt", minimum=0, below=vocab_size)
+        return Fields({"prompt": prompt}).int_list("prompt", minimum=0, below=vocab_size)
     raise APIError.invalid("prompt must be a string or an array of token ids", "prompt")
 
 
-def _stops(f: _Fields) -> tuple[str, ...]:
+def _stops(f: Fields) -> tuple[str, ...]:
     stop = f.get("stop")
     if stop is None:
         return ()
@@ -259,66 +296,3 @@ def _stops(f: _Fields) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise APIError.invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
     return tuple(dict.fromkeys(stops))
-
-
-class _Fields:
-    """Typed reads from a JSON object; each bad value becomes a 400 naming the field.
-
-    JSON booleans are Python ints, so every numeric reader rejects bool explicitly.
-    """
-
-    def __init__(self, data: dict[str, Any], prefix: str = "") -> None:
-        self._data = data
-        self._prefix = prefix
-
-    def get(self, name: str) -> Any:
-        return self._data.get(name)
-
-    def _bad(self, name: str, what: str) -> APIError:
-        return APIError.invalid(f"{self._prefix}{name} must be {what}", self._prefix + name)
-
-    def string(self, name: str, required: bool = False) -> str | None:
-        value = self._data.get(name)
-        if value is None and not required:
-            return None
-        if not isinstance(value, str) or not value:
-            raise self._bad(name, "a non-empty string")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self._data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(name, "a boolean")
-        return value
-
-    def integer(self, name: str, minimum: int | None = None) -> int | None:
-        value = self._data.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._bad(name, "an integer")
-        if minimum is not None and value < minimum:
-            raise self._bad(name, f"an integer >= {minimum}")
-        return value
-
-    def number(self, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-        value = self._data.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._bad(name, "a number")
-        if value > high or value < low or (low_open and value == low):
-            raise self._bad(name, f"in {'(' if low_open else '['}{low:g}, {high:g}]")
-        return float(value)
-
-    def int_list(self, name: str, minimum: int, below: int) -> tuple[int, ...]:
-        value = self._data.get(name)
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and minimum <= v < below for v in value
-        ):
-            raise self._bad(name, f"an array of token ids in [{minimum}, {below})")
-        return tuple(value)

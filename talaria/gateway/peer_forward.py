@@ -32,7 +32,7 @@ async def forward(peer: PeerLink, request: Request, body: dict, session: str, di
     try:
         resp = await peer.client.send(req, stream=True)
     except httpx.HTTPError as e:
-        dispatcher.finished(placement, None, "", ())
+        dispatcher.finished(placement, None, None, ())
         raise APIError(503, f"peer {peer.url} did not take the call: {e}", UNAVAILABLE, None, "peer_unavailable",
                        {"Retry-After": str(RETRY_AFTER_S)}) from None
     kind = resp.headers.get("content-type", "application/json")
@@ -40,7 +40,7 @@ async def forward(peer: PeerLink, request: Request, body: dict, session: str, di
     if not kind.startswith("text/event-stream"):
         content = await resp.aread()
         await resp.aclose()
-        dispatcher.finished(placement, _usage(content) if resp.status_code == 200 else None, "", ())
+        dispatcher.finished(placement, _usage(content) if resp.status_code == 200 else None, None, ())
         return Response(content, resp.status_code, passthrough, media_type=kind.split(";")[0])
 
     async def relay() -> AsyncIterator[bytes]:
@@ -52,7 +52,7 @@ async def forward(peer: PeerLink, request: Request, body: dict, session: str, di
             ok = b"[DONE]" in seen
         finally:
             await resp.aclose()
-            dispatcher.finished(placement, _stream_usage(seen, placement) if ok else None, "", ())
+            dispatcher.finished(placement, _stream_usage(seen, placement) if ok else None, None, ())
     return StreamingResponse(relay(), resp.status_code, passthrough, media_type="text/event-stream")
 
 

@@ -5,15 +5,28 @@ per-token path only builds the small `choices` dict and one `json.dumps`. Shapes
 API reference: chunks `chat.completion.chunk` / `text_completion`, a role-only first chat chunk, an
 empty-delta chunk carrying `finish_reason`, with `stream_options.include_usage` a `"usage": null` on
 every chunk plus a last chunk with `"choices": []` and the usage, then `data: [DONE]`.
+
+A chat output parsed into reasoning, content and tool calls (talaria/gateway/output_parser.py) streams
+as `delta.reasoning_content`, `delta.content` and `delta.tool_calls` (index, id, type and name first,
+then the arguments in pieces); the whole response has them in `message`. A turn that made tool calls
+and ended by itself finishes with `"tool_calls"`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from talaria.contracts.call import Usage
 from talaria.gateway.openai_protocol import Endpoint
+from talaria.gateway.output_parser import (
+    CallStart,
+    Content,
+    Event,
+    ParsedOutput,
+    Reasoning,
+)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -35,12 +48,15 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 class ResponseFormat:
     """Builds the bodies of one request's response, streamed or whole."""
 
-    __slots__ = ("_chat", "_head", "_include_usage")
+    __slots__ = ("_call_id", "_calls", "_chat", "_content", "_head", "_include_usage")
 
     def __init__(self, endpoint: Endpoint, response_id: str, created: int, model: str,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, call_id: Callable[[], str] = lambda: "call_0") -> None:
         self._chat = endpoint is Endpoint.CHAT
         self._include_usage = include_usage
+        self._call_id = call_id  # a fresh tool-call id
+        self._calls: list[dict[str, Any]] = []  # tool calls streamed so far, as the message lists them
+        self._content: list[str] = []  # content streamed so far
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = {"id": response_id, "object": obj, "created": created, "model": model}
 
@@ -65,7 +81,31 @@ class ResponseFormat:
         return self._chunk(self._choice("", None, role=True)) if self._chat else None
 
     def text_chunk(self, text: str) -> bytes:
+        self._content.append(text)
         return self._chunk(self._choice(text, None))
+
+    def event_chunk(self, event: Event) -> bytes:
+        """One event of a parsed chat output as a chunk."""
+        if isinstance(event, Content):
+            return self.text_chunk(event.text)
+        if isinstance(event, Reasoning):
+            delta: dict[str, Any] = {"reasoning_content": event.text}
+        elif isinstance(event, CallStart):
+            call = {"id": self._call_id(), "type": "function", "function": {"name": event.name, "arguments": ""}}
+            self._calls.append(call)
+            delta = {"tool_calls": [{"index": event.index, **call, "function": dict(call["function"])}]}
+        else:
+            self._calls[event.index]["function"]["arguments"] += event.text
+            delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+
+    def finish_reason(self, finish_reason: str) -> str:
+        """OpenAI's reason: a turn that called tools and ended by itself ended to call them."""
+        return "tool_calls" if self._calls and finish_reason == "stop" else finish_reason
+
+    def streamed_message(self) -> dict[str, Any]:
+        """The assistant message a client assembles from the chunks sent (what it sends back next turn)."""
+        return self._message("".join(self._content), self._calls)
 
     def finish_chunk(self, finish_reason: str) -> bytes:
         return self._chunk(self._choice(None, finish_reason))
@@ -73,13 +113,28 @@ class ResponseFormat:
     def usage_chunk(self, usage: Usage) -> bytes:
         return sse({**self._head, "choices": [], "usage": usage_json(usage)})
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        """The non-streaming response body."""
+    def whole(self, text: str, finish_reason: str, usage: Usage, parsed: ParsedOutput | None = None) -> dict[str, Any]:
+        """The non-streaming response body; `parsed`: the chat output parsed (None: plain text)."""
         if self._chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            if parsed is None:
+                message = self._message(text, [])
+            else:
+                self._calls = [{"id": self._call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+                               for n, a in parsed.tool_calls]
+                message = self._message(parsed.content, self._calls)
+                if parsed.reasoning is not None:
+                    message["reasoning_content"] = parsed.reasoning
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": self.finish_reason(finish_reason)}
             obj = "chat.completion"
         else:
             choice = self._choice(text, finish_reason)
             obj = "text_completion"
         return {**self._head, "object": obj, "choices": [choice], "usage": usage_json(usage)}
+
+    @staticmethod
+    def _message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        return message

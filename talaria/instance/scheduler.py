@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import count
 
 from talaria.config.schema import Pool
@@ -103,6 +104,15 @@ class Scheduler:
         self.batchers[seq.model].remove(seq)
         seq.finish = FinishReason.CANCELLED
         return [self._output(seq)]
+
+    def fail(self, request_id: str, why: str) -> list[CallOutput]:
+        """End one call with an error it caused (it cannot go on); every other call goes on as it was."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return []
+        self.batchers[seq.model].remove(seq)
+        seq.finish = FinishReason.ERROR
+        return [replace(self._output(seq), error=why)]
 
     def call_of(self, seq_id: int) -> InstanceCall:
         return self._seqs[seq_id].call

@@ -57,6 +57,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template does not parse (line {e.lineno}: {e.message}); "
                                     "fix chat_template in tokenizer_config.json") from None
         self._special_tokens = dict(special_tokens)
+        self.source = source  # the Jinja text: which tool-call and reasoning formats it writes
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:

@@ -72,6 +72,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The chat template's Jinja text (None without a template)."""
+        return self._chat_template.source if self._chat_template is not None else None
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text for a conversation; raises ChatTemplateError if it cannot be rendered."""

@@ -12,7 +12,7 @@ Route and lease events go to the node's event log with instance "router".
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,6 @@ from talaria.node.errors import InstanceUnavailable
 from talaria.routing.continuity import (
     DEFAULT_PAGE,
     ContinuityIndex,
-    assistant_message,
     extend_chain,
     message_chain,
     new_session_id,
@@ -134,8 +133,10 @@ class Dispatcher:
         finally:
             self._queued -= 1
 
-    def finished(self, placement: Placement, usage: Usage | None, reply: str, output_ids: Sequence[int]) -> None:
-        """The call ended; on a normal finish install the lease and remember the conversation."""
+    def finished(self, placement: Placement, usage: Usage | None, reply: Mapping[str, Any] | None,
+                 output_ids: Sequence[int]) -> None:
+        """The call ended; on a normal finish install the lease and remember the conversation.
+        `reply`: a chat call's answer as the assistant message the client appends to it."""
         self.router.finished(placement.decision.instance)
         if usage is None:
             return
@@ -144,7 +145,7 @@ class Dispatcher:
         if placement.inferred and placement.chain:
             last = placement.chain[-1]
             if placement.chat:  # the client appends our reply as an assistant message
-                keys = [last, extend_chain(last, assistant_message(reply))]
+                keys = [last] if reply is None else [last, extend_chain(last, reply)]
             else:  # the next prompt starts with this prompt and our output: hash only what follows
                 tail = placement.prompt_ids[len(placement.chain) * DEFAULT_PAGE:]  # after its last full page
                 keys = [last, *token_chain([*tail, *output_ids], after=last)[-1:]]

@@ -17,8 +17,14 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, calls: list[tuple[str, SamplingParams]]) -> list[int]:
+    tokens, failed = sampler.sample(logits, calls)
+    assert failed == {}
+    return tokens
+
+
 def draws(sampler: Sampler, request_id: str, params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
-    return [sampler.sample(logits[None], [(request_id, params)])[0] for _ in range(n)]
+    return [sample(sampler, logits[None], [(request_id, params)])[0] for _ in range(n)]
 
 
 def chi_square(counts: Counter, probs: torch.Tensor, n: int) -> float:
@@ -28,7 +34,7 @@ def chi_square(counts: Counter, probs: torch.Tensor, n: int) -> float:
 def test_greedy_is_argmax_of_every_row():
     logits = random_logits(6)
     params = SamplingParams(temperature=0.0)
-    out = Sampler().sample(logits, [(f"r{i}", params) for i in range(6)])
+    out = sample(Sampler(), logits, [(f"r{i}", params) for i in range(6)])
     assert out == logits.argmax(dim=-1).tolist()
 
 
@@ -38,7 +44,7 @@ def test_top_k_one_is_greedy_whatever_the_temperature():
     for temperature in (0.5, 1.0, 10.0):
         params = SamplingParams(temperature=temperature, top_k=1, seed=3)
         for _ in range(5):
-            assert sampler.sample(logits, [(f"r{i}", params) for i in range(6)]) == logits.argmax(dim=-1).tolist()
+            assert sample(sampler, logits, [(f"r{i}", params) for i in range(6)]) == logits.argmax(dim=-1).tolist()
 
 
 def test_a_very_small_top_p_is_greedy():
@@ -58,10 +64,10 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
         others = [("y", SamplingParams(seed=3)), (f"z{i}", SamplingParams())]  # a new unseeded call each step
         rows = [("x", x)] + others if i % 2 else others + [("x", x)]
         logits = torch.stack([FLAT if rid == "x" else other_logits[j % 2] for j, (rid, _) in enumerate(rows)])
-        out = sampler.sample(logits, rows)
+        out = sample(sampler, logits, rows)
         shared.append(out[[rid for rid, _ in rows].index("x")])
         if i % 3 == 0:  # a batch without x, with another request seeded like x
-            sampler.sample(other_logits, [("w", SamplingParams(seed=7)), ("v", SamplingParams())])
+            sample(sampler, other_logits, [("w", SamplingParams(seed=7)), ("v", SamplingParams())])
     assert shared == alone
 
 

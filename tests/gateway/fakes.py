@@ -70,7 +70,8 @@ class FakeEchoGroup:
     """Echoes the prompt's byte tokens cyclically until max_tokens (finish "length").
 
     Knobs: `fail_after` raises InstanceFailed after that many tokens; `hang_after` blocks forever
-    after that many tokens (setting `hanging`); `eos_after` ends with the EOS token (finish "stop").
+    after that many tokens (setting `hanging`); `eos_after` ends with the EOS token (finish "stop");
+    `script` answers with that text (as byte tokens) and then EOS.
     Records: `calls` submitted, `closed` (generator finally ran) and `completed` (final record sent).
     """
 
@@ -84,6 +85,7 @@ class FakeEchoGroup:
     hang_after: int | None = None
     eos_after: int | None = None
     cached_tokens: int = 0
+    script: str | None = None  # the text to answer with (as byte tokens) instead of echoing the prompt
     hanging: anyio.Event | None = None  # create inside the test's event loop
     calls: list[InstanceCall] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
@@ -100,7 +102,10 @@ class FakeEchoGroup:
         self.calls.append(call)
         self.in_flight += 1
         source = [t for t in call.prompt_token_ids if t < 256] or [ord("x")]
-        n = call.sampling.max_tokens
+        n, eos_after = call.sampling.max_tokens, self.eos_after
+        if self.script is not None:  # say this, then end the turn
+            source = list(self.script.encode())
+            n, eos_after = min(n, len(source) + 1), len(source)
         usage = Usage(len(call.prompt_token_ids), n, self.cached_tokens)
         try:
             for i in range(n):
@@ -110,7 +115,7 @@ class FakeEchoGroup:
                     if self.hanging is not None:
                         self.hanging.set()
                     await anyio.sleep_forever()
-                if i == self.eos_after:
+                if i == eos_after:
                     usage = Usage(len(call.prompt_token_ids), i + 1, self.cached_tokens)
                     self.completed.append(call.request_id)
                     yield CallOutput(call.request_id, (EOS_ID,), FinishReason.STOP, usage)

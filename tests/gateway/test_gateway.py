@@ -294,7 +294,8 @@ def test_a_client_without_session_ids_is_recognised_by_its_conversation():
     reply = first.json()["choices"][0]["message"]["content"]
     assert len(a.calls) == 1 and a.calls[0].session_id.startswith("auto-")
     a.in_flight = 3  # a is busier: only the session's lease keeps it there
-    follow_up = [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": "a.py b.py"}]
+    follow_up = [*messages, {"role": "assistant", "content": reply},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "a.py b.py"}]
     client.post("/v1/chat/completions", json={"model": MODEL, "messages": follow_up, "max_tokens": 4})
     assert len(a.calls) == 2 and a.calls[1].session_id == a.calls[0].session_id
     other = [{"role": "user", "content": "something else"}]  # a new conversation: a new session

@@ -2,6 +2,7 @@
 
 import pytest
 
+from talaria.config.schema import ToolParser
 from talaria.gateway.errors import APIError
 from talaria.gateway.openai_protocol import DEFAULT_MAX_TOKENS, Endpoint, parse_request
 
@@ -64,9 +65,10 @@ def test_content_parts_developer_role_and_single_stop_string(catalog):
     assert text.startswith("<|im_start|>system\nbe \nbrief<|im_end|>") and p.stop == ("\n",)
 
 
-def test_tools_reach_the_chat_template(catalog):
+def test_tools_reach_a_template_that_takes_them(catalog):
     class RecordingTokenizer:
         eos_token_ids = (EOS_ID,)
+        chat_template_source = "{% for tool in tools %}{{ tool | tojson }}{% endfor %} <tool_call>"
 
         def encode_chat(self, messages, add_generation_prompt=True, tools=None):
             self.seen = (messages, add_generation_prompt, tools)
@@ -74,6 +76,7 @@ def test_tools_reach_the_chat_template(catalog):
 
     class Catalog:
         tok = RecordingTokenizer()
+        config = catalog.config
 
         def model_names(self):
             return [MODEL]
@@ -88,8 +91,47 @@ def test_tools_reach_the_chat_template(catalog):
     cat = Catalog()
     p = parse_request(CHAT, chat(tools=tools), cat)
     assert p.prompt_token_ids == (1, 2, 3) and cat.tok.seen == (MSGS, True, tools)
-    parse_request(CHAT, chat(tools=tools, tool_choice="none"), cat)
-    assert cat.tok.seen[2] is None  # "none": the model is not told about tools
+    assert p.tool_format is ToolParser.HERMES and p.sampling.grammar is None  # auto: parsed, not forced
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}]
+    parse_request(CHAT, chat(messages=history, tools=tools), cat)
+    assert cat.tok.seen[0][1]["tool_calls"][0]["function"]["arguments"] == {"path": "."}  # as HF templates take it
+    p = parse_request(CHAT, chat(tools=tools, tool_choice="none"), cat)
+    assert cat.tok.seen[2] is None and p.tool_format is None  # "none": not told about tools, nothing parsed
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """A catalog whose byte-level model has room for tool descriptions."""
+    return FakeEchoSupervisor(max_position=4096)
+
+
+def test_a_template_without_tools_gets_the_default_hermes_rendering(roomy):
+    tools = [{"type": "function", "function": {"name": "ls", "description": "list files",
+                                               "parameters": {"type": "object"}}}]
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}]
+    p = parse_request(CHAT, chat(messages=history, tools=tools), roomy)
+    text = roomy.tokenizer(MODEL).decode(p.prompt_token_ids)
+    assert '<tools>\n{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}, ' \
+           '"description": "list files"}}\n</tools>' in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\na.py\n</tool_response><|im_end|>" in text
+
+
+def test_a_forced_tool_choice_or_json_format_constrains_decoding(roomy):
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    named = parse_request(CHAT, chat(tools=tools, tool_choice={"type": "function", "function": {"name": "ls"}}),
+                          roomy)
+    assert named.sampling.grammar and "ls" in named.sampling.grammar
+    assert parse_request(CHAT, chat(tools=tools, tool_choice="required"), roomy).sampling.grammar
+    assert parse_request(CHAT, chat(response_format={"type": "json_object"}), roomy).sampling.grammar
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    assert parse_request(CHAT, chat(response_format=fmt), roomy).sampling.grammar
+    assert parse_request(CHAT, chat(tools=tools), roomy).sampling.grammar is None
 
 
 def test_session_id_body_wins_over_header(catalog):
@@ -157,11 +199,17 @@ def test_max_tokens_exactly_filling_the_context_is_accepted(catalog):
         (CHAT, chat(frequency_penalty=9), 400, "frequency_penalty", None),
         (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias", None),
         (CHAT, chat(tools={"type": "function"}), 400, "tools", None),
-        (CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, "tools[0]", None),
+        (CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, "tools[0].function.name", None),
         (CHAT, chat(tools=[{"type": "retrieval"}]), 400, "tools[0]", None),
         (CHAT, chat(tool_choice="required"), 400, "tool_choice", None),
         (CHAT, chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice", None),
-        (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", None),
+        (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
+        (CHAT, chat(response_format={"type": "json_schema", "json_schema": {}}), 400,
+         "response_format.json_schema.schema", None),
+        (CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools[0].function.name", None),
+        (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].tool_call_id", None),
+        (CHAT, chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]), 400,
+         "messages[0].tool_calls[0]", None),
         (CHAT, chat(messages=[{"role": "user", "content": "x" * 70}]), 400, "messages", "context_length_exceeded"),
         (CHAT, chat(max_tokens=60), 400, "max_tokens", "context_length_exceeded"),
         (COMPLETIONS, completion(prompt=None), 400, "prompt", None),

@@ -120,7 +120,7 @@ def test_a_finished_call_leaves_a_lease_and_its_conversation_for_the_next_call()
     session, chain, inferred = d.session(MODEL, None, messages, ())
     assert inferred and session.startswith("auto-")
     placement = place(d, request(session), chain, inferred)
-    d.finished(placement, Usage(40, 4, 0), "a.txt b.txt", (1, 2, 3, 4))
+    d.finished(placement, Usage(40, 4, 0), {"role": "assistant", "content": "a.txt b.txt"}, (1, 2, 3, 4))
     lease = d.router.leases.get(session, MODEL)
     assert lease is not None and lease.instance == "hot0"
     assert d.router.views["hot0"].in_flight == 0
@@ -137,5 +137,5 @@ def test_a_failed_call_releases_its_slot_without_a_lease():
     ready(group)
     d, _ = dispatcher(group, clock=clock)
     placement = place(d, request("s9"))
-    d.finished(placement, None, "", ())
+    d.finished(placement, None, None, ())
     assert d.router.leases.get("s9", MODEL) is None

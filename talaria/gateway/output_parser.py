@@ -1,0 +1,400 @@
+"""A model's output text split into reasoning, content and tool calls, incrementally.
+
+One parser, two drivers. `OutputParser.feed` takes the text as it is generated, in pieces of any
+size, and returns events (`Content`, `Reasoning`, `CallStart`, `CallArguments`); `finish` flushes
+what it held back. The streaming response sends the events as they come; the whole response is
+`parse(text)`, the same parser fed everything at once. The parser's events never depend on how the
+text was split (tests feed it character by character, token by token and at arbitrary splits), so
+the two responses always carry the same tool calls and content, and no text that turns out to be
+part of a tool call is ever sent as content.
+
+What it recognises:
+- **Reasoning** (models that think first, Qwen3's format): output that starts with `<think>`
+  (after optional whitespace) is reasoning up to `</think>`; whitespace after it is dropped. Tool
+  calls inside reasoning are reasoning.
+- **Hermes / Qwen tool calls** (`ToolParser.HERMES`): `<tool_call>{"name": N, "arguments": A}</tool_call>`
+  anywhere in the content, any number of them, text before, between and after (whitespace right
+  after a call's closing tag is dropped: it separates calls, it is not an answer).
+- **Llama-3 JSON tool calls** (`ToolParser.LLAMA3_JSON`): output that starts (after whitespace,
+  and an optional `<|python_tag|>`) with `{"name": N, "parameters": A}`; several separated by `;`;
+  text after the last is content. Output that starts otherwise is all content.
+
+A call begins once its object's `"name"` string is complete: then `CallStart` names it and the text
+of its arguments value (the key may be `"arguments"` or `"parameters"`) follows as `CallArguments`
+pieces as it arrives. A call cut short (max_tokens, a stop) keeps the arguments it has. A block that
+is not a call before its name completes (malformed, another key first, truncated) is content, as it
+was written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+from talaria.config.schema import ToolParser
+
+THINK, END_THINK = "<think>", "</think>"
+TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+WHITESPACE = " \t\n\r"
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    index: int  # 0, 1, ... in the order the calls appear
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallArguments:
+    index: int
+    text: str  # the next piece of the arguments value's JSON text
+
+
+Event = Content | Reasoning | CallStart | CallArguments
+
+
+@dataclass
+class ParsedOutput:
+    content: str = ""
+    reasoning: str | None = None  # None: the output had no reasoning section
+    tool_calls: list[list[str]] = field(default_factory=list)  # [name, arguments JSON text] by index
+
+
+def assemble(events: list[Event]) -> ParsedOutput:
+    """What a list of events adds up to (the whole response; what a streaming client reassembles)."""
+    out = ParsedOutput()
+    content, reasoning = [], []
+    for e in events:
+        if isinstance(e, Content):
+            content.append(e.text)
+        elif isinstance(e, Reasoning):
+            reasoning.append(e.text)
+        elif isinstance(e, CallStart):
+            out.tool_calls.append([e.name, ""])
+        else:
+            out.tool_calls[e.index][1] += e.text
+    out.content = "".join(content)
+    out.reasoning = "".join(reasoning) if reasoning else None
+    return out
+
+
+def parse(text: str, tools: ToolParser | None, reasoning: bool) -> ParsedOutput:
+    """The whole output at once: the same parser, fed everything."""
+    p = OutputParser(tools, reasoning)
+    return assemble(p.feed(text) + p.finish())
+
+
+class _State(Enum):
+    START = 0  # nothing decided yet (reasoning? a Llama-3 call?)
+    REASONING = 1
+    SKIP_SPACE = 2  # dropping whitespace after </think>, or after a Hermes call's </tool_call>
+    CONTENT = 3
+    HEAD = 4  # inside a call object, before its arguments value: `{"name": "...", "arguments": `
+    ARGUMENTS = 5  # inside the arguments value
+    TAIL = 6  # after the arguments value, up to the end of the call object
+    CLOSE = 7  # after a call object: </tool_call> (Hermes) or ; (Llama-3)
+    TEXT = 8  # Llama-3 output that is not calls: everything is content
+
+
+class OutputParser:
+    def __init__(self, tools: ToolParser | None, reasoning: bool) -> None:
+        self.tools = tools
+        self.reasoning = reasoning
+        self._state = _State.START
+        self._buf = ""  # text fed and not yet turned into events
+        self._calls = 0  # calls started
+        self._raw = ""  # a call block's text so far, in case it turns out not to be a call
+        self._value = _ValueScanner()  # the arguments value, then (reused) the rest of the call object
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> list[Event]:
+        """The end of the output: flush what was held back, settle an unfinished block."""
+        out: list[Event] = []
+        while self._step(out, final=True):
+            pass
+        s, buf = self._state, self._buf
+        if s is _State.REASONING and buf:
+            out.append(Reasoning(buf))
+        elif s in (_State.START, _State.CONTENT, _State.TEXT) and buf:
+            out.append(Content(buf))
+        elif s is _State.HEAD:  # cut short before its name was complete: not a call
+            out.append(Content(self._raw + buf))
+        self._buf = ""
+        return out
+
+    # ---- the state machine: each step consumes some of the buffer, or says it needs more ----------
+
+    def _step(self, out: list[Event], final: bool) -> bool:
+        s, buf = self._state, self._buf
+        if not buf:
+            return False
+        if s is _State.START:
+            return self._start(out, final)
+        if s is _State.REASONING:
+            i = buf.find(END_THINK)
+            if i < 0:
+                keep = _held(buf, END_THINK)
+                if len(buf) > keep:
+                    out.append(Reasoning(buf[:len(buf) - keep]))
+                    self._buf = buf[len(buf) - keep:]
+                return False
+            if i:
+                out.append(Reasoning(buf[:i]))
+            self._buf, self._state = buf[i + len(END_THINK):], _State.SKIP_SPACE
+            return True
+        if s is _State.SKIP_SPACE:
+            rest = buf.lstrip(WHITESPACE)
+            self._buf = rest
+            if not rest:
+                return False
+            self._state = _State.CONTENT
+            if self.tools is ToolParser.LLAMA3_JSON:
+                self._state = _State.START  # calls may open the answer after the reasoning
+                self.reasoning = False
+            return True
+        if s is _State.CONTENT or s is _State.TEXT:
+            return self._content(out)
+        if s is _State.HEAD:
+            return self._head(out, final)
+        if s is _State.ARGUMENTS:
+            n = self._value.scan(buf)
+            piece = buf[:n]
+            if piece:
+                out.append(CallArguments(self._calls - 1, piece))
+            self._buf = buf[n:]
+            if self._value.done:
+                self._state, self._value = _State.TAIL, _ValueScanner(depth=1)
+                return True
+            return False
+        if s is _State.TAIL:  # skip to the end of the call object (extra keys are ignored)
+            n = self._value.scan(buf)
+            self._buf = buf[n:]
+            if self._value.done:
+                self._state = _State.CLOSE
+                return True
+            return False
+        return self._close(out, final)
+
+    def _start(self, out: list[Event], final: bool) -> bool:
+        buf = self._buf
+        rest = buf.lstrip(WHITESPACE)
+        if self.reasoning:
+            if rest.startswith(THINK):
+                self._buf, self._state = rest[len(THINK):], _State.REASONING
+                return True
+            if not final and (not rest or THINK.startswith(rest)):
+                return False  # maybe "<think>" still arriving
+        if self.tools is ToolParser.LLAMA3_JSON:
+            if rest.startswith(PYTHON_TAG):
+                rest = rest[len(PYTHON_TAG):].lstrip(WHITESPACE)
+                if not rest:
+                    self._buf = PYTHON_TAG
+                    return False
+            if rest.startswith("{"):
+                self._open_call(rest, "")
+                return True
+            if not final and (not rest or PYTHON_TAG.startswith(rest)):
+                return False
+            self._state = _State.TEXT
+            return True
+        self._state = _State.CONTENT
+        return True
+
+    def _content(self, out: list[Event]) -> bool:
+        buf = self._buf
+        if self._state is _State.TEXT or self.tools is not ToolParser.HERMES:
+            out.append(Content(buf))
+            self._buf = ""
+            return False
+        i = buf.find(TOOL_CALL)
+        if i < 0:
+            keep = _held(buf, TOOL_CALL)
+            if len(buf) > keep:
+                out.append(Content(buf[:len(buf) - keep]))
+                self._buf = buf[len(buf) - keep:]
+            return False
+        if i:
+            out.append(Content(buf[:i]))
+        self._open_call(buf[i + len(TOOL_CALL):], TOOL_CALL)
+        return True
+
+    def _open_call(self, rest: str, raw: str) -> None:
+        self._buf, self._raw, self._state = rest, raw, _State.HEAD
+
+    def _head(self, out: list[Event], final: bool) -> bool:
+        match = _match_head(self._buf)
+        if match is _PARTIAL:
+            if not final:
+                return False
+            match = None
+        if match is None:  # not a call: the block is content, as written
+            if self._raw:
+                out.append(Content(self._raw))
+            self._state = _State.TEXT if self.tools is ToolParser.LLAMA3_JSON else _State.CONTENT
+            return True
+        name, end = match
+        out.append(CallStart(self._calls, name))
+        self._calls += 1
+        self._buf, self._state, self._value = self._buf[end:], _State.ARGUMENTS, _ValueScanner()
+        return True
+
+    def _close(self, out: list[Event], final: bool) -> bool:
+        rest = self._buf.lstrip(WHITESPACE)
+        if self.tools is ToolParser.HERMES:
+            if rest.startswith(END_TOOL_CALL):
+                self._buf, self._state = rest[len(END_TOOL_CALL):], _State.SKIP_SPACE
+                return True
+            if not final and (not rest or END_TOOL_CALL.startswith(rest)):
+                self._buf = rest
+                return False
+            self._buf, self._state = rest, _State.CONTENT  # no closing tag: what follows is content
+            return True
+        if rest.startswith(";"):
+            after = rest[1:].lstrip(WHITESPACE)
+            if after.startswith("{"):
+                self._open_call(after, "")
+                return True
+            if not final and not after:
+                self._buf = rest
+                return False
+            self._buf, self._state = rest, _State.TEXT  # not another call: the rest is content, as written
+            return True
+        if not final and not rest:
+            self._buf = rest
+            return False
+        self._buf, self._state = rest, _State.TEXT  # trailing text after the calls
+        return True
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (held back)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+_PARTIAL = object()
+_HEAD = ('{', '"name"', ':', None, ',', ('"arguments"', '"parameters"'), ':')  # None: a JSON string
+
+
+def _match_head(text: str) -> tuple[str, int] | object | None:
+    """Match `{"name": "N", "arguments": ` (whitespace allowed between the parts) at the start of
+    `text`: (N, the offset of the arguments value), _PARTIAL if `text` could still become that, or
+    None if it cannot."""
+    i, name = 0, None
+    for part in _HEAD:
+        while i < len(text) and text[i] in WHITESPACE:
+            i += 1
+        if i == len(text):
+            return _PARTIAL
+        if part is None:
+            end = _string_end(text, i)
+            if end is None:
+                return None
+            if end is _PARTIAL:
+                return _PARTIAL
+            try:
+                name = json.loads(text[i:end])
+            except ValueError:
+                return None
+            i = end
+            continue
+        options = part if isinstance(part, tuple) else (part,)
+        for literal in options:
+            if text.startswith(literal, i):
+                i += len(literal)
+                break
+        else:
+            tail = text[i:]
+            return _PARTIAL if any(lit.startswith(tail) for lit in options) else None
+    while i < len(text) and text[i] in WHITESPACE:
+        i += 1
+    if i == len(text):
+        return _PARTIAL  # the value has not begun: wait, so the arguments start with it
+    return name, i
+
+
+def _string_end(text: str, i: int):
+    """The end (exclusive) of the JSON string starting at text[i]; _PARTIAL if unfinished; None if
+    text[i] does not start one."""
+    if text[i] != '"':
+        return None
+    j, escaped = i + 1, False
+    while j < len(text):
+        c = text[j]
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == '"':
+            return j + 1
+        elif c in "\n\r":
+            return None  # raw newlines do not occur in a JSON string
+        j += 1
+    return _PARTIAL
+
+
+class _ValueScanner:
+    """Finds where a JSON value ends, piece by piece, without parsing it: bracket depth, strings with
+    escapes, and bare scalars (numbers, true/false/null) that end at a delimiter. `depth=1` scans the
+    rest of an object already entered, up to its closing brace."""
+
+    __slots__ = ("_bare", "_depth", "_escaped", "_in_string", "_started", "done")
+
+    def __init__(self, depth: int = 0) -> None:
+        self._depth = depth
+        self._in_string = self._escaped = self._bare = False
+        self._started = depth > 0
+        self.done = False
+
+    def scan(self, text: str) -> int:
+        """Consume from `text` up to the end of the value; how many characters belong to it."""
+        for i, c in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        self.done = True
+                        return i + 1
+                continue
+            if self._bare:
+                if c in ",}]" or c in WHITESPACE:
+                    self.done = True
+                    return i
+                continue
+            if c == '"':
+                self._in_string, self._started = True, True
+            elif c in "{[":
+                self._depth += 1
+                self._started = True
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    self.done = True
+                    return i + 1
+            elif not self._started and c not in WHITESPACE:
+                self._bare = self._started = True
+        return len(text)
