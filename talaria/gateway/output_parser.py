@@ -19,11 +19,14 @@ What it recognises:
   and an optional `<|python_tag|>`) with `{"name": N, "parameters": A}`; several separated by `;`;
   text after the last is content. Output that starts otherwise is all content.
 
-A call begins once its object's `"name"` string is complete: then `CallStart` names it and the text
-of its arguments value (the key may be `"arguments"` or `"parameters"`) follows as `CallArguments`
-pieces as it arrives. A call cut short (max_tokens, a stop) keeps the arguments it has. A block that
-is not a call before its name completes (malformed, another key first, truncated) is content, as it
-was written.
+A call begins once its head is complete: `{"name": N, "arguments": ` (the key may also be
+`"parameters"`, whitespace may come between the parts) and the first character of the value. Then
+`CallStart` names it and the text of the arguments value follows as `CallArguments` pieces as it
+arrives. A call cut short (max_tokens, a stop) keeps the arguments it has; a Hermes call whose JSON
+never closes ends at its `</tool_call>` (outside a string). A block that is not a call before its
+head completes (malformed, another key first, no arguments, truncated) is content, as it was
+written. Call syntax is never content: whitespace around calls, a `;` or `</tool_call>` left
+dangling at the end, and what precedes a Llama-3 call (whitespace, `<|python_tag|>`) are dropped.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ Event = Content | Reasoning | CallStart | CallArguments
 @dataclass
 class ParsedOutput:
     content: str = ""
-    reasoning: str | None = None  # None: the output had no reasoning section
+    reasoning: str | None = None  # None: the output had no reasoning (no section, or an empty one)
     tool_calls: list[list[str]] = field(default_factory=list)  # [name, arguments JSON text] by index
 
 
@@ -116,7 +119,7 @@ class OutputParser:
         self._buf = ""  # text fed and not yet turned into events
         self._calls = 0  # calls started
         self._raw = ""  # a call block's text so far, in case it turns out not to be a call
-        self._value = _ValueScanner()  # the arguments value, then (reused) the rest of the call object
+        self._value = self._scanner()  # the arguments value, then the rest of the call object
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -175,19 +178,22 @@ class OutputParser:
         if s is _State.HEAD:
             return self._head(out, final)
         if s is _State.ARGUMENTS:
-            n = self._value.scan(buf)
+            n = self._value.scan(buf, final)
             piece = buf[:n]
             if piece:
                 out.append(CallArguments(self._calls - 1, piece))
             self._buf = buf[n:]
+            if self._value.closed:  # a closing tag came first: the call ends there, unclosed
+                self._state = _State.CLOSE
+                return True
             if self._value.done:
-                self._state, self._value = _State.TAIL, _ValueScanner(depth=1)
+                self._state, self._value = _State.TAIL, self._scanner(depth=1)
                 return True
             return False
         if s is _State.TAIL:  # skip to the end of the call object (extra keys are ignored)
-            n = self._value.scan(buf)
+            n = self._value.scan(buf, final)
             self._buf = buf[n:]
-            if self._value.done:
+            if self._value.done or self._value.closed:
                 self._state = _State.CLOSE
                 return True
             return False
@@ -205,11 +211,10 @@ class OutputParser:
         if self.tools is ToolParser.LLAMA3_JSON:
             if rest.startswith(PYTHON_TAG):
                 rest = rest[len(PYTHON_TAG):].lstrip(WHITESPACE)
-                if not rest:
-                    self._buf = PYTHON_TAG
-                    return False
+                if not rest and not final:
+                    return False  # the tag, and maybe a call after it
             if rest.startswith("{"):
-                self._open_call(rest, "")
+                self._open_call(rest, buf[:len(buf) - len(rest)])
                 return True
             if not final and (not rest or PYTHON_TAG.startswith(rest)):
                 return False
@@ -236,6 +241,10 @@ class OutputParser:
         self._open_call(buf[i + len(TOOL_CALL):], TOOL_CALL)
         return True
 
+    def _scanner(self, depth: int = 0) -> _ValueScanner:
+        """Hermes calls end at their closing tag even when their JSON does not close."""
+        return _ValueScanner(depth, END_TOOL_CALL if self.tools is ToolParser.HERMES else None)
+
     def _open_call(self, rest: str, raw: str) -> None:
         self._buf, self._raw, self._state = rest, raw, _State.HEAD
 
@@ -253,7 +262,7 @@ class OutputParser:
         name, end = match
         out.append(CallStart(self._calls, name))
         self._calls += 1
-        self._buf, self._state, self._value = self._buf[end:], _State.ARGUMENTS, _ValueScanner()
+        self._buf, self._state, self._value = self._buf[end:], _State.ARGUMENTS, self._scanner()
         return True
 
     def _close(self, out: list[Event], final: bool) -> bool:
@@ -262,18 +271,18 @@ class OutputParser:
             if rest.startswith(END_TOOL_CALL):
                 self._buf, self._state = rest[len(END_TOOL_CALL):], _State.SKIP_SPACE
                 return True
-            if not final and (not rest or END_TOOL_CALL.startswith(rest)):
-                self._buf = rest
+            if not rest or END_TOOL_CALL.startswith(rest):
+                self._buf = "" if final else rest  # (cut short at the end: still the call's closing tag)
                 return False
             self._buf, self._state = rest, _State.CONTENT  # no closing tag: what follows is content
             return True
         if rest.startswith(";"):
             after = rest[1:].lstrip(WHITESPACE)
             if after.startswith("{"):
-                self._open_call(after, "")
+                self._open_call(after, rest[:len(rest) - len(after)])
                 return True
-            if not final and not after:
-                self._buf = rest
+            if not after:
+                self._buf = "" if final else rest  # a separator with nothing after it ends the calls
                 return False
             self._buf, self._state = rest, _State.TEXT  # not another call: the rest is content, as written
             return True
@@ -356,18 +365,21 @@ def _string_end(text: str, i: int):
 class _ValueScanner:
     """Finds where a JSON value ends, piece by piece, without parsing it: bracket depth, strings with
     escapes, and bare scalars (numbers, true/false/null) that end at a delimiter. `depth=1` scans the
-    rest of an object already entered, up to its closing brace."""
+    rest of an object already entered, up to its closing brace. `close`: a tag that, outside a
+    string, ends the value early (`closed`); a piece that may be the start of it is held back."""
 
-    __slots__ = ("_bare", "_depth", "_escaped", "_in_string", "_started", "done")
+    __slots__ = ("_bare", "_close", "_depth", "_escaped", "_in_string", "_started", "closed", "done")
 
-    def __init__(self, depth: int = 0) -> None:
+    def __init__(self, depth: int = 0, close: str | None = None) -> None:
         self._depth = depth
+        self._close = close
         self._in_string = self._escaped = self._bare = False
         self._started = depth > 0
-        self.done = False
+        self.done = self.closed = False
 
-    def scan(self, text: str) -> int:
+    def scan(self, text: str, final: bool = False) -> int:
         """Consume from `text` up to the end of the value; how many characters belong to it."""
+        close = self._close
         for i, c in enumerate(text):
             if self._in_string:
                 if self._escaped:
@@ -380,6 +392,12 @@ class _ValueScanner:
                         self.done = True
                         return i + 1
                 continue
+            if close is not None and c == close[0]:
+                if text.startswith(close, i):
+                    self.closed = True
+                    return i
+                if not final and close.startswith(text[i:]):
+                    return i  # maybe the tag: hold it back
             if self._bare:
                 if c in ",}]" or c in WHITESPACE:
                     self.done = True
