@@ -3,9 +3,10 @@
 A call whose `SamplingParams.grammar` is set (talaria/gateway/grammar.py builds them) samples each
 token from the ones its grammar allows next; once the grammar is complete only the model's end of
 turn is allowed, so the call finishes. llguidance computes a mask in tens of microseconds from a
-compiled grammar and the model's vocabulary. Compiling is the costly part (a large tool set takes
-milliseconds), so each distinct grammar is compiled once per model and every call that brings it
-again starts from a copy of that matcher: a second call with the same tools compiles nothing.
+compiled grammar and the model's vocabulary. Compiling is the costly part (a coding agent's 17 tools,
+60 KB of schemas, take about 0.2 s against SmolLM2's vocabulary: `python bench/agent_api.py`), so each
+distinct grammar is compiled once per model and every call that brings it again starts from a copy of
+that matcher: a second call with the same tools compiles nothing.
 """
 
 from __future__ import annotations
