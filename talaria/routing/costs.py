@@ -10,9 +10,9 @@
 - `C_act`: 0 when the model is active there, the staged switch cost when it is staged, a full H2D
   open otherwise.
 A candidate must also pass the round-admission check (the call would start within `admit_rounds`
-rounds, or `max_queue_s` on a hot instance) and the HBM check (its KV fits the pool). A replica (an
-instance that must open a model another instance holds) is worth it only when its gain beats
-`T_swap + mu * dW + nu` (Eq. (2)).
+rounds, or `max_queue_s` on a hot instance; a call with nothing ahead of it always passes) and the
+HBM check (its KV fits the pool). A replica (an instance that must open a model another instance
+holds) is worth it only when its gain beats `T_swap + mu * dW + nu` (Eq. (2)).
 """
 
 from __future__ import annotations
@@ -124,9 +124,10 @@ class PlacementCosts:
 
     def admits(self, view: InstanceView, req: RouteRequest, cost: Cost) -> bool:
         """Round admission (the call starts within `admit_rounds` rounds, or `max_queue_s` on a hot
-        instance) and HBM (its KV fits what the model's pool has free)."""
+        instance) and HBM (its KV fits what the model's pool has free). A call with nothing ahead of
+        it is not refused for its own length: it could start no sooner on a retry."""
         t = view.terms[req.model]
-        if cost.start_s > t.admit_s:
+        if cost.start_s > t.admit_s and cost.queue_s > 0:
             return False
         return -(-(req.prompt_tokens + req.max_tokens) // max(1, view.snapshot.page_size)) <= t.free_pages
 

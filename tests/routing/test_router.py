@@ -209,6 +209,16 @@ def test_no_admissible_instance_goes_to_the_overload_policy(policy):
     assert events[-1] == ("route", "overload", None)
 
 
+def test_a_call_with_nothing_ahead_is_admitted_however_long_its_own_prefill():
+    """15,000 prompt tokens take 15 s of prefill against a 10 s round budget: refused while another
+    call waits ahead (a retry could start sooner), admitted on an idle instance (it never could)."""
+    clock = Clock()
+    r, _ = router(("a", snapshot("a", waiting=1)), clock=clock, admit_rounds=1.0)
+    assert r.route(req(session=None, prompt=15_000)).instance is None
+    r.observe("a", snapshot("a", version=2))
+    assert r.route(req(session=None, prompt=15_000)).instance == "a"
+
+
 def test_spill_sends_an_unadmitted_call_to_a_peer_first():
     clock = Clock()
     r, _ = router(("a", snapshot("a", waiting=50)), ("peer/x", snapshot("x", waiting=50)), clock=clock,
