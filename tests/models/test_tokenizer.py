@@ -6,6 +6,9 @@ import json
 import shutil
 
 import pytest
+import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from talaria.config.schema import ModelConfig
 from talaria.models.errors import ChatTemplateError
@@ -112,3 +115,73 @@ def test_template_errors_are_chat_template_errors(byte_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer.load(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# ---- a prompt tokenized from the previous one (Tokenizer.encode_prompt) ----------------------------
+
+def agent_prompts(tok: Tokenizer, calls: int = 6) -> list[str]:
+    """An agent's successive prompts: each call's history is the last one's plus an answer and a tool result."""
+    messages = [{"role": "system", "content": "You edit code. " + " ".join(TEXTS)}]
+    prompts = []
+    for k in range(calls):
+        messages.append({"role": "user", "content": f"{TEXTS[k % len(TEXTS)]} step {k} 🙂"})
+        prompts.append(tok.apply_chat_template(messages))
+        messages.append({"role": "assistant", "content": f"<tool_call>{{\"name\": \"ls\", \"arguments\": {k}}}"})
+    return prompts
+
+
+def test_a_prompt_tokenized_from_the_previous_one_equals_its_whole_tokenization(smollm):
+    prompts = agent_prompts(smollm)
+    prior = None
+    for text in prompts:
+        tokens = smollm.encode_prompt(text, prior)
+        assert list(tokens.ids) == smollm.encode(text, add_special_tokens=False)
+        whole = smollm.encode_prompt(text)
+        assert (tokens.ids, tokens.cut_chars, tokens.cut_tokens) == (whole.ids, whole.cut_chars, whole.cut_tokens)
+        assert [smollm.encode(text[:c], add_special_tokens=False) for c in tokens.cut_chars] == [
+            list(tokens.ids[:n]) for n in tokens.cut_tokens]
+        if prior is not None:  # everything through the last call's final <|im_start|> came from it
+            last = prior[1].cut_tokens[-1]
+            assert tokens.reused == last and list(prior[1].ids[last:]) == smollm.encode("assistant\n")
+        prior = (text, tokens)
+
+
+def test_reuse_stops_where_the_texts_part(smollm):
+    first, second = agent_prompts(smollm, 2)
+    base = smollm.encode_prompt(second)
+    edited = second.replace("step 0", "step zero")  # an edited history: reuse only up to the edit
+    tokens = smollm.encode_prompt(edited, (second, base))
+    assert list(tokens.ids) == smollm.encode(edited, add_special_tokens=False)
+    edit = second.index("step 0")
+    assert tokens.reused == max(n for c, n in zip(base.cut_chars, base.cut_tokens) if c <= edit) > 0
+    shorter = smollm.encode_prompt(first, (second, base))  # the prior may be longer than the text
+    assert list(shorter.ids) == smollm.encode(first, add_special_tokens=False)
+    # the shared text ends inside a word: the word is tokenized again, not split at the prior's cut
+    mid = smollm.encode_prompt(second + "abc", (second + "ab", smollm.encode_prompt(second + "ab")))
+    assert list(mid.ids) == smollm.encode(second + "abc", add_special_tokens=False)
+
+
+PIECES = ["<|im_start|>", "<|im_end|>", "\n", " ", "  ", "user", "assistant", "Hello", "ello", "é", "🙂", "日本",
+          "x**2", "'s", "\t", "{\"", "123", "<", "|"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shared=st.lists(st.sampled_from(PIECES), max_size=25), before=st.lists(st.sampled_from(PIECES), max_size=8),
+       after=st.lists(st.sampled_from(PIECES), max_size=8))
+def test_any_two_prompts_sharing_a_prefix_tokenize_as_a_whole(smollm, shared, before, after):
+    old, new = "".join(shared + before), "".join(shared + after)
+    tokens = smollm.encode_prompt(new, (old, smollm.encode_prompt(old)))
+    assert list(tokens.ids) == smollm.encode(new, add_special_tokens=False)
+
+
+def test_a_tokenizer_whose_start_of_text_differs_is_tokenized_whole():
+    """Metaspace adds a space before the first word of an input: a tail tokenized alone would differ
+    from the same text inside the whole prompt, so no ids are reused."""
+    model = tokenizers.models.WordLevel({"[UNK]": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4, "<s>": 5}, unk_token="[UNK]")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.add_special_tokens(["<s>"])
+    tok = Tokenizer(backend, add_bos_token=False, bos_token_id=None, eos_token_ids=(), chat_template=None)
+    prior = tok.encode_prompt("a<s>a b")
+    tokens = tok.encode_prompt("a<s>a a", ("a<s>a b", prior))
+    assert tokens.reused == 0 and list(tokens.ids) == backend.encode("a<s>a a").ids
