@@ -59,8 +59,11 @@ DTYPES = tuple(DTYPE_BYTES)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, every /v1 call needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every /v1 call needs "Authorization: Bearer <key>" or "x-api-key: <key>"
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get HTTP 413
+    # Messages API: drop the "x-anthropic-billing-header: ..." line Claude Code puts first in its system
+    # prompt; it changes on every request and would defeat the prefix cache (docs/api.md)
+    strip_billing_header: bool = True
 
 
 @dataclass(frozen=True, slots=True)

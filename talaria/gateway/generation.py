@@ -40,6 +40,7 @@ class TextGeneration:
         self.completion_tokens = 0
         self.output_ids: list[int] = []  # every generated token, for the session continuity index
         self.reply: list[str] = []  # every text delta sent
+        self.stop_sequence: str | None = None  # the stop string that ended the text, if one did
         self.reply_message: dict | None = None  # the assistant message as the client has it (chat), when whole
         self.placement = None  # the router's Placement of this call (talaria.routing.dispatcher)
         self.timings: CallTimings | None = None  # the instance's own account of the call (final record)
@@ -62,6 +63,7 @@ class TextGeneration:
                 if out.finish is None:
                     safe = matcher.push(detok.push(ids)) if ids else ""
                     if matcher.stopped:  # cached_tokens is unknown here: the final record never comes
+                        self.stop_sequence = matcher.matched
                         self._finish("stop", None)
                     if safe:
                         self.reply.append(safe)
@@ -75,6 +77,7 @@ class TextGeneration:
                     raise InstanceFailed(out.error or f"the instance ended the call with {out.finish.value!r}")
                 safe = matcher.push(detok.push(ids) + detok.flush())
                 safe += matcher.flush()
+                self.stop_sequence = matcher.matched
                 self._finish("stop" if matcher.stopped else out.finish.value, out.usage)
                 self.timings = out.timings
                 if safe:

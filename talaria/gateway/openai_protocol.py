@@ -25,22 +25,16 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jinja2 import TemplateError
-
 from talaria.config.schema import TalariaConfig, ToolParser
 from talaria.contracts.arch import ModelArch
 from talaria.contracts.call import SamplingParams
+from talaria.gateway.chat_prompt import build_chat_prompt
 from talaria.gateway.errors import NOT_FOUND, APIError
 from talaria.gateway.fields import Fields
-from talaria.gateway.grammar import response_format_grammar, tool_call_grammar
+from talaria.gateway.grammar import response_format_grammar
 from talaria.gateway.output_parser import OutputParser
-from talaria.gateway.tools import (
-    ToolChoice,
-    model_formats,
-    parse_tools,
-    template_messages,
-)
-from talaria.models.errors import ChatTemplateError
+from talaria.gateway.prompt_cache import PromptCache
+from talaria.gateway.tools import parse_tools
 
 if TYPE_CHECKING:
     from talaria.models.tokenizer import Tokenizer
@@ -49,6 +43,7 @@ if TYPE_CHECKING:
 class Endpoint(str, Enum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
+    MESSAGES = "messages"  # Anthropic's Messages API (talaria/gateway/anthropic_protocol.py)
 
 
 DEFAULT_MAX_TOKENS = {Endpoint.CHAT: 1024, Endpoint.COMPLETIONS: 16}
@@ -79,6 +74,7 @@ class ParsedRequest:
     session_id: str | None  # body `session_id`, else header `X-Session-Id`
     tool_format: ToolParser | None = None  # parse tool calls of this format out of the output (None: don't)
     reasoning: bool = False  # the output starts with <think>...</think>: returned as reasoning_content
+    messages: list[dict[str, Any]] | None = None  # a chat call's conversation (what session inference hashes)
 
     def output_parser(self) -> OutputParser | None:
         """A fresh parser for this call's output; None when the output is plain text."""
@@ -87,17 +83,29 @@ class ParsedRequest:
         return OutputParser(self.tool_format, self.reasoning)
 
 
-def parse_request(
-    endpoint: Endpoint, body: Any, catalog: ModelCatalog, header_session_id: str | None = None
-) -> ParsedRequest:
-    """Validate one request body against the model catalog; raise APIError on any problem."""
+def request_fields(body: Any) -> Fields:
     if not isinstance(body, dict):
         raise APIError.invalid("the request body must be a JSON object")
-    f = Fields(body)
+    return Fields(body)
+
+
+def served_model(f: Fields, catalog: ModelCatalog) -> str:
+    """The request's `model`, which must be one the catalog serves (404 otherwise)."""
     model = f.string("model", required=True)
     if model not in catalog.model_names():
         raise APIError(404, f"The model {model!r} does not exist; GET /v1/models lists the served models.",
                        NOT_FOUND, "model", "model_not_found")
+    return model
+
+
+def parse_request(
+    endpoint: Endpoint, body: Any, catalog: ModelCatalog, header_session_id: str | None = None,
+    prompts: PromptCache | None = None,
+) -> ParsedRequest:
+    """Validate one request body against the model catalog; raise APIError on any problem.
+    `prompts`: recent prompts to tokenize a conversation's next prompt from."""
+    f = request_fields(body)
+    model = served_model(f, catalog)
     _reject_unsupported(f, endpoint)
     stream = f.boolean("stream", False)
     include_usage = False
@@ -129,26 +137,12 @@ def parse_request(
     tokenizer = catalog.tokenizer(model)
     arch = catalog.arch(model)
     stop_ids = f.int_list("stop_token_ids", minimum=0, below=arch.vocab_size)
-    grammar, tool_format, reasoning = None, None, False
+    grammar, tool_format, reasoning, messages = None, None, False, None
     if endpoint is Endpoint.CHAT:
         prompt_param = "messages"
-        tools = parse_tools(f)
-        formats = model_formats(catalog.config.model(model), tokenizer)
-        if tools is not None and tools.choice is not ToolChoice.NONE:
-            if formats.tools is None:
-                raise APIError.invalid(f"model {model!r} does not call tools (its tool_parser is \"none\")", "tools")
-            tool_format = formats.tools
-        messages, offered = template_messages(_messages(f), tools, formats)
-        prompt_ids = _chat_prompt(tokenizer, messages, offered)
-        reasoning = formats.reasoning
-        if tools is not None and tools.forced:
-            grammar = tool_call_grammar(formats.tools, tools.forced, tools.parallel and tools.named is None)
-        response_grammar = response_format_grammar(f)
-        if response_grammar is not None:
-            if grammar is not None:
-                raise APIError.invalid("response_format cannot be enforced together with a forced tool_choice",
-                                       "response_format")
-            grammar = response_grammar
+        messages = _messages(f)
+        chat = build_chat_prompt(catalog, model, messages, parse_tools(f), response_format_grammar(f), prompts)
+        prompt_ids, grammar, tool_format, reasoning = chat.ids, chat.grammar, chat.tool_format, chat.reasoning
     else:
         prompt_param = "prompt"
         prompt_ids = _completion_prompt(f, tokenizer, arch.vocab_size)
@@ -181,7 +175,7 @@ def parse_request(
         grammar=grammar,
     )
     return ParsedRequest(endpoint, model, prompt_ids, sampling, stream, include_usage, stops, session_id,
-                         tool_format, reasoning)
+                         tool_format, reasoning, messages)
 
 
 def _reject_unsupported(f: Fields, endpoint: Endpoint) -> None:
@@ -254,16 +248,6 @@ def _check_tool_calls(calls: Any, where: str, role: str) -> None:
             raise APIError.invalid(f"{where}.tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
                                    f"\"function\": {{\"name\": ..., \"arguments\": \"<JSON text>\"}}}}",
                                    f"{where}.tool_calls[{j}]")
-
-
-def _chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                 tools: list[dict[str, Any]] | None) -> tuple[int, ...]:
-    """The conversation through the model's chat template (which writes its own BOS); a template
-    that rejects the messages is the client's 400, not ours."""
-    try:
-        return tuple(tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools))
-    except (ChatTemplateError, TemplateError) as e:  # e.g. "roles must alternate user/assistant"
-        raise APIError.invalid(f"the model's chat template rejected the messages: {e}", "messages") from e
 
 
 def _text_part(part: Any, where: str) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from talaria.contracts.call import Usage
+from talaria.gateway.errors import APIError
 from talaria.gateway.openai_protocol import Endpoint
 from talaria.gateway.output_parser import (
     CallStart,
@@ -48,7 +49,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 class ResponseFormat:
     """Builds the bodies of one request's response, streamed or whole."""
 
-    __slots__ = ("_call_id", "_calls", "_chat", "_content", "_head", "_include_usage")
+    __slots__ = ("_call_id", "_calls", "_chat", "_content", "_head", "_include_usage", "_message_sent")
 
     def __init__(self, endpoint: Endpoint, response_id: str, created: int, model: str,
                  include_usage: bool = False, call_id: Callable[[], str] = lambda: "call_0") -> None:
@@ -57,6 +58,7 @@ class ResponseFormat:
         self._call_id = call_id  # a fresh tool-call id
         self._calls: list[dict[str, Any]] = []  # tool calls streamed so far, as the message lists them
         self._content: list[str] = []  # content streamed so far
+        self._message_sent: dict[str, Any] | None = None  # the whole response's message
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = {"id": response_id, "object": obj, "created": created, "model": model}
 
@@ -113,7 +115,29 @@ class ResponseFormat:
     def usage_chunk(self, usage: Usage) -> bytes:
         return sse({**self._head, "choices": [], "usage": usage_json(usage)})
 
-    def whole(self, text: str, finish_reason: str, usage: Usage, parsed: ParsedOutput | None = None) -> dict[str, Any]:
+    # ---- the interface the gateway drives (talaria/gateway/anthropic_responses.py has the same) ----
+
+    def start(self, prompt_tokens: int) -> bytes:
+        return self.first_chunk() or b""
+
+    def end(self, finish_reason: str, usage: Usage | None, stop_sequence: str | None) -> bytes:
+        out = self.finish_chunk(self.finish_reason(finish_reason))
+        if self._include_usage and usage is not None:
+            out += self.usage_chunk(usage)
+        return out + DONE
+
+    def error_chunk(self, error: APIError) -> bytes:
+        """In-band, once the headers are sent; the stream then ends without [DONE]."""
+        return sse(error.body())
+
+    def reply_message(self) -> dict[str, Any] | None:
+        """A chat answer as the assistant message the client appends to the conversation."""
+        if not self._chat:
+            return None
+        return self._message_sent if self._message_sent is not None else self.streamed_message()
+
+    def whole(self, text: str, parsed: ParsedOutput | None, finish_reason: str, usage: Usage,
+              stop_sequence: str | None = None) -> dict[str, Any]:
         """The non-streaming response body; `parsed`: the chat output parsed (None: plain text)."""
         if self._chat:
             if parsed is None:
@@ -124,6 +148,7 @@ class ResponseFormat:
                 message = self._message(parsed.content, self._calls)
                 if parsed.reasoning is not None:
                     message["reasoning_content"] = parsed.reasoning
+            self._message_sent = message
             choice = {"index": 0, "message": message, "logprobs": None,
                       "finish_reason": self.finish_reason(finish_reason)}
             obj = "chat.completion"

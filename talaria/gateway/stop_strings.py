@@ -17,7 +17,7 @@ class StopStringMatcher:
     some stop string is held in `_held`, so every match begins within `_held + delta`.
     """
 
-    __slots__ = ("_held", "_longest", "_stops", "stopped")
+    __slots__ = ("_held", "_longest", "_stops", "matched", "stopped")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         if any(not s for s in stops):
@@ -26,6 +26,7 @@ class StopStringMatcher:
         self._longest = max((len(s) for s in stops), default=0)
         self._held = ""
         self.stopped = False  # a stop string matched; later pushes return ""
+        self.matched: str | None = None  # the stop string that matched
 
     def push(self, delta: str) -> str:
         """Add generated text; return the part that is safe to emit now (possibly empty)."""
@@ -38,7 +39,7 @@ class StopStringMatcher:
         for stop in self._stops:
             at = text.find(stop)
             if at != -1 and (cut == -1 or at < cut):
-                cut = at
+                cut, self.matched = at, stop
         if cut != -1:
             self.stopped = True
             self._held = ""

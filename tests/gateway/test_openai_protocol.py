@@ -5,6 +5,7 @@ import pytest
 from talaria.config.schema import ToolParser
 from talaria.gateway.errors import APIError
 from talaria.gateway.openai_protocol import DEFAULT_MAX_TOKENS, Endpoint, parse_request
+from talaria.models.tokenizer import PromptTokens
 
 from .fakes import EOS_ID, MODEL, FakeEchoSupervisor
 
@@ -70,9 +71,12 @@ def test_tools_reach_a_template_that_takes_them(catalog):
         eos_token_ids = (EOS_ID,)
         chat_template_source = "{% for tool in tools %}{{ tool | tojson }}{% endfor %} <tool_call>"
 
-        def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
             self.seen = (messages, add_generation_prompt, tools)
-            return [1, 2, 3]
+            return "rendered"
+
+        def encode_prompt(self, text, prior=None):
+            return PromptTokens((1, 2, 3), (), ())
 
     class Catalog:
         tok = RecordingTokenizer()

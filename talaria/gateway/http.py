@@ -1,0 +1,172 @@
+"""The gateway's HTTP plumbing: bounded JSON bodies, responses that run bookkeeping once sent, the
+request counter, and every failure turned into the error shape its API speaks (OpenAI's, or
+Anthropic's on the Messages API).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
+
+from talaria.gateway.anthropic_responses import error_body
+from talaria.gateway.errors import (
+    INVALID_REQUEST,
+    NOT_FOUND,
+    RETRY_AFTER_S,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    APIError,
+)
+from talaria.gateway.metrics import GatewayMetrics
+from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.routing.errors import Overloaded
+
+log = logging.getLogger("talaria.gateway.gateway")
+
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody receives it
+COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models"}
+MESSAGES_API = "/v1/messages"  # paths under it answer errors in Anthropic's shape
+
+
+class SentThen(JSONResponse):
+    """A JSON response that runs `then` once it has been sent, or has failed to be. The last send
+    yields only while the connection is paused for writing, that is before the client can have the
+    whole response, so a client's next request, on any connection, finds the lease and continuity
+    this call left."""
+
+    def __init__(self, content: Any, headers: dict[str, str], then: Callable[[], None]) -> None:
+        super().__init__(content, headers=headers)
+        self._then = then
+
+    def render(self, content: Any) -> bytes:
+        return _JSON_OUT.encode(content).encode()  # JSONResponse's, minus building an encoder per call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._then()
+
+
+class RequestCounter:
+    """ASGI middleware counting /v1 requests by path and final status (errors included)."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status = 500  # unless a response starts, the request died in an unhandled error
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.count_request(path if path in COUNTED_PATHS else "other", status)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing more than `limit` bytes whatever Content-Length claims."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError.invalid("Content-Length must be a non-negative integer")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(CLIENT_CLOSED, "client closed the request") from None
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError.invalid("the request body is empty; send a JSON object")
+    try:
+        return _JSON.decode(raw.decode())  # JSON is UTF-8 (RFC 8259)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise APIError.invalid(f"the request body is not valid JSON: {e}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+# built once: json.loads and json.dumps with options build a decoder or an encoder per call
+_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+_JSON_OUT = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes (server.max_body_bytes)", INVALID_REQUEST,
+                    None, "request_too_large")
+
+
+def instance_error(e: Exception, request_id: str) -> APIError:
+    if isinstance(e, InstanceUnavailable):
+        log.info("%s: 503: %s", request_id, e)
+        return APIError(503, str(e), UNAVAILABLE, None, "instance_unavailable",
+                        {"Retry-After": str(RETRY_AFTER_S)})
+    log.warning("%s: instance failed mid-call: %s", request_id, e)
+    return APIError(503, f"the instance serving this call failed and is restarting ({e}); retry the request",
+                    UNAVAILABLE, None, "instance_failed", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _error_response(request: Request, error: APIError) -> JSONResponse:
+    request_id = getattr(request.state, "request_id", None)
+    log.log(logging.WARNING if error.status >= 500 else logging.INFO, "%s: %d %s",
+            request_id or request.url.path, error.status, error.message)
+    headers = dict(error.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    body = error_body(error) if request.url.path.startswith(MESSAGES_API) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def error_handlers() -> dict:
+    """Every failure, Starlette's own 404 and 405 included, as JSON in the shape of the API asked
+    (Anthropic's under /v1/messages, OpenAI's elsewhere)."""
+
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(request, exc)
+
+    async def instance_down(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(request, instance_error(exc, getattr(request.state, "request_id", "-")))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+        message = f"no route for {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
+        return _error_response(request, APIError(exc.status_code, str(message), kind, None, None, exc.headers))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        log.error("%s: unhandled error", request_id or request.url.path, exc_info=exc)
+        return _error_response(request, APIError(500, f"internal server error (request id {request_id})",
+                                                 SERVER_ERROR))
+
+    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        return _error_response(request, APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
+                                                 {"Retry-After": str(exc.retry_after_s)}))
+
+    return {APIError: api_error, Overloaded: overloaded, InstanceUnavailable: instance_down,
+            InstanceFailed: instance_down, StarletteHTTPException: http_error, Exception: unexpected}
