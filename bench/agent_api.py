@@ -1,6 +1,7 @@
-"""Constrained decoding of a forced tool call against free decoding, with a coding agent's tool set.
+"""Constrained decoding of a forced tool call against free decoding, with a coding agent's tool set;
+then an agent's long prompts at the gateway (bench/agent_prompts.py).
 
-    python bench/agent_api.py [--json PATH] [--runs N] [--threads T] [--profile]
+    python bench/agent_api.py [--json PATH] [--runs N] [--threads T] [--profile] [--prompts-only]
 
 A coding agent sends the same large tool set with every turn: here 17 tools modelled on what such
 agents send (shell, file reading and editing, search, notebooks, web, todo list, sub-agents), whose
@@ -54,10 +55,12 @@ import os
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import agent_prompts  # bench/agent_prompts.py, beside this script
 import torch
 from agent_tools import TOOLS  # bench/agent_tools.py, beside this script
 from report import (  # bench/report.py, beside this script
@@ -302,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also profile one constrained batch of 8 with cProfile")
+    ap.add_argument("--prompts-only", action="store_true",
+                    help="only the long-prompt measurements (tokenization reuse, /health under load)")
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3: the report is a median")
@@ -309,6 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     log = ProgressLog()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
+    result = {} if args.prompts_only else engine(args, log)
+    tok = Tokenizer.load(prepare_model(MODEL, None).directory)
+    with tempfile.TemporaryDirectory() as workdir:
+        prompts = agent_prompts.measure(tok, max(args.runs, 5), Path(workdir), log)
+    print(agent_prompts.table(prompts))
+    missed = [k for k, ok in {**result.get("met", {}), **prompts["prompt_met"]}.items() if not ok]
+    if missed:
+        print(f"targets missed: {', '.join(missed)}")
+    write_json(args.json, {**result, **prompts, "threads": args.threads, **environment(log, load_start)}, log)
+    return 0
+
+
+def engine(args: argparse.Namespace, log: ProgressLog) -> dict:
+    """Constrained against free decoding on the engine, and the grammar's costs; prints its tables."""
     schema_bytes = len(json.dumps(TOOLS))
     log(f"{len(TOOLS)} tools, {schema_bytes:,} bytes of JSON schemas")
     built = gateway_build()
@@ -316,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{built['gateway_grammar_second_s'] * 1e3:.2f} ms cached")
     grammar = built.pop("grammar")
 
-    log(f"preparing {MODEL.source} (float32), {args.threads} threads, load average {load_start:.2f}")
+    log(f"preparing {MODEL.source} (float32), {args.threads} threads, load average {os.getloadavg()[0]:.2f}")
     files = prepare_model(MODEL, None)
     tok = Tokenizer.load(files.directory)
     prompts = build_prompts(tok)
@@ -356,8 +375,6 @@ def main(argv: list[str] | None = None) -> int:
                    "constrained_max_tokens": CONSTRAINED_MAX_TOKENS, "tool_parser": ToolParser.HERMES.value,
                    "tools": [t["function"]["name"] for t in TOOLS], "system": SYSTEM, "requests": REQUESTS,
                    "prompt_tokens": [len(p) for p in prompts]},
-        "threads": args.threads,
-        **environment(log, load_start),
     }
     if args.profile:
         log("profiling one constrained batch of 8")
@@ -372,11 +389,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{result[f'constrained_tool_calls_parsed_{b}']:.0%}; tokens per call, run 1: "
               f"{runs[0][f'constrained_tokens_{b}']}")
     print(f"first constrained call ({check['first_call_tokens']} tokens): {check['first_call_text']}")
-    missed = [k for k, ok in result["met"].items() if not ok]
-    if missed:
-        print(f"targets missed: {', '.join(missed)}")
-    write_json(args.json, result, log)
-    return 0
+    driver.stop()
+    return result
 
 
 if __name__ == "__main__":
