@@ -28,11 +28,14 @@ def _pickled_by_fields(cls: type) -> type:
     return cls
 
 
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily: dividing logits by it could overflow to inf
+
+
 @_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_BELOW (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None  # same seed + same prompt -> same tokens
@@ -42,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 @_pickled_by_fields

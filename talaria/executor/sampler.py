@@ -28,27 +28,32 @@ class Sampler:
                model: str = "") -> tuple[list[int], dict[str, str]]:
         """logits: (S, V), one row per call in `calls` (request id, params) of `model`. Returns the
         tokens, and the calls that cannot go on (request id -> why: a grammar the vocabulary cannot
-        follow); each of those got some token, and the caller fails it."""
+        follow, or anything else that broke while choosing its token); each of those got some token,
+        and the caller fails that call only."""
         greedy = logits.argmax(dim=-1).tolist()
         out, failed = [], {}
         for row, (request_id, params) in enumerate(calls):
-            if params.grammar is not None:
-                try:
-                    allowed = self.grammars.allowed(request_id, model, params.grammar, logits.shape[-1])
-                except GrammarError as e:
-                    failed[request_id] = str(e)
-                    out.append(greedy[row])
-                    continue
-                row_logits = logits[row].float().masked_fill(~allowed, float("-inf"))
-                token = int(row_logits.argmax()) if params.greedy else \
-                    self._draw(row_logits, params, self._generator(request_id, params))
-                self.grammars.consume(request_id, token)
-                out.append(token)
-            elif params.greedy:
+            try:
+                out.append(self._choose(logits[row], greedy[row], request_id, params, model))
+            except GrammarError as e:
+                failed[request_id] = str(e)
                 out.append(greedy[row])
-            else:
-                out.append(self._draw(logits[row].float(), params, self._generator(request_id, params)))
+            except Exception as e:  # noqa: BLE001 -- one call's failure is that call's, never the step's
+                failed[request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                out.append(greedy[row])
         return out, failed
+
+    def _choose(self, logits: torch.Tensor, greedy: int, request_id: str, params: SamplingParams, model: str) -> int:
+        if params.grammar is not None:
+            allowed = self.grammars.allowed(request_id, model, params.grammar, logits.shape[-1])
+            masked = logits.float().masked_fill(~allowed, float("-inf"))
+            token = int(masked.argmax()) if params.greedy else \
+                self._draw(masked, params, self._generator(request_id, params))
+            self.grammars.consume(request_id, token)
+            return token
+        if params.greedy:
+            return greedy
+        return self._draw(logits.float(), params, self._generator(request_id, params))
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         g = self._generators.get(request_id)
@@ -69,6 +74,7 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest set whose mass reaches top_p (the first token always stays)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+            drop[0] = False  # even when top_p rounds to 0 in float32
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=g))

@@ -33,6 +33,7 @@ from talaria.gateway.fields import Fields
 from talaria.gateway.grammar import response_format_grammar
 from talaria.gateway.openai_protocol import (
     MAX_SESSION_ID_CHARS,
+    MAX_TOP_K,
     Endpoint,
     ModelCatalog,
     ParsedRequest,
@@ -59,7 +60,7 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
         raise APIError.invalid("max_tokens: field required", "max_tokens")
     temperature = f.number("temperature", 1.0, low=0.0, high=1.0)
     top_p = f.number("top_p", 1.0, low=0.0, high=1.0, low_open=True)
-    top_k = f.integer("top_k", minimum=0)
+    top_k = f.integer("top_k", minimum=0, maximum=MAX_TOP_K)
     stream = f.boolean("stream", False)
     stops = _stop_sequences(f)
     _thinking(f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from talaria.gateway.errors import APIError
@@ -39,12 +40,14 @@ class Fields:
             raise self._bad(name, "a boolean")
         return value
 
-    def integer(self, name: str, minimum: int | None = None) -> int | None:
+    def integer(self, name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
         value = self._data.get(name)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise self._bad(name, "an integer")
+        if maximum is not None and (value > maximum or (minimum is not None and value < minimum)):
+            raise self._bad(name, f"an integer in [{minimum}, {maximum}]")
         if minimum is not None and value < minimum:
             raise self._bad(name, f"an integer >= {minimum}")
         return value
@@ -53,18 +56,19 @@ class Fields:
         value = self._data.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._bad(name, "a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._bad(name, "a finite number")
         if value > high or value < low or (low_open and value == low):
             raise self._bad(name, f"in {'(' if low_open else '['}{low:g}, {high:g}]")
         return float(value)
 
-    def int_list(self, name: str, minimum: int, below: int) -> tuple[int, ...]:
+    def int_list(self, name: str, minimum: int, below: int, most: int | None = None) -> tuple[int, ...]:
         value = self._data.get(name)
         if value is None:
             return ()
-        if not isinstance(value, list) or not all(
+        if not isinstance(value, list) or (most is not None and len(value) > most) or not all(
             isinstance(v, int) and not isinstance(v, bool) and minimum <= v < below for v in value
         ):
-            raise self._bad(name, f"an array of token ids in [{minimum}, {below})")
+            at_most = f"at most {most} " if most is not None else ""
+            raise self._bad(name, f"an array of {at_most}token ids in [{minimum}, {below})")
         return tuple(value)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from talaria.contracts.call import CallTimings, FinishReason, InstanceCall, Usage
 from talaria.gateway.stop_strings import StopStringMatcher
-from talaria.node.errors import InstanceFailed
+from talaria.node.errors import CallFailed, InstanceFailed
 
 if TYPE_CHECKING:
     from talaria.models.tokenizer import Tokenizer
@@ -74,7 +74,7 @@ class TextGeneration:
                 if out.finish is FinishReason.STOP and ids and ids[-1] in self._stop_ids:
                     ids = ids[:-1]  # the EOS / stop token ends the text; it is not part of it
                 elif out.finish not in (FinishReason.STOP, FinishReason.LENGTH):
-                    raise InstanceFailed(out.error or f"the instance ended the call with {out.finish.value!r}")
+                    raise CallFailed(out.error or f"the instance ended the call with {out.finish.value!r}")
                 safe = matcher.push(detok.push(ids) + detok.flush())
                 safe += matcher.flush()
                 self.stop_sequence = matcher.matched

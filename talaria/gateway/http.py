@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from talaria.gateway.errors import (
     APIError,
 )
 from talaria.gateway.metrics import GatewayMetrics
-from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.node.errors import CallFailed, InstanceFailed, InstanceUnavailable
 from talaria.routing.errors import Overloaded
 
 log = logging.getLogger("talaria.gateway.gateway")
@@ -103,15 +104,43 @@ async def read_json(request: Request, limit: int) -> Any:
     if not raw.strip():
         raise APIError.invalid("the request body is empty; send a JSON object")
     try:
-        return _JSON.decode(raw.decode())  # JSON is UTF-8 (RFC 8259)
+        text = raw.decode()  # JSON is UTF-8 (RFC 8259)
+        body = _JSON.decode(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
         raise APIError.invalid(f"the request body is not valid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(text):  # only a \uD800-\uDFFF escape can put a surrogate in a string
+        try:
+            where = _lone_surrogate(body, "")
+        except RecursionError:
+            raise APIError.invalid("the request body is nested too deeply") from None
+        if where is not None:
+            where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold the surrogate
+            raise APIError.invalid(f"{where or 'the body'} holds a lone UTF-16 surrogate escape "
+                                   "(\\uD800-\\uDFFF without its pair): not a Unicode character", where or None)
+    return body
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or object key) in `value` holding an unpaired surrogate."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return where
+        found = _lone_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a str decoded from JSON holds them only unpaired
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # built once: json.loads and json.dumps with options build a decoder or an encoder per call
 _JSON = json.JSONDecoder(parse_constant=_reject_constant)
 _JSON_OUT = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -127,6 +156,9 @@ def instance_error(e: Exception, request_id: str) -> APIError:
         log.info("%s: 503: %s", request_id, e)
         return APIError(503, str(e), UNAVAILABLE, None, "instance_unavailable",
                         {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, CallFailed):
+        log.warning("%s: the instance failed this call: %s", request_id, e)
+        return APIError(500, f"the instance could not serve this call: {e}", SERVER_ERROR, None, "call_failed")
     log.warning("%s: instance failed mid-call: %s", request_id, e)
     return APIError(503, f"the instance serving this call failed and is restarting ({e}); retry the request",
                     UNAVAILABLE, None, "instance_failed", {"Retry-After": str(RETRY_AFTER_S)})

@@ -48,6 +48,9 @@ class Endpoint(str, Enum):
 
 DEFAULT_MAX_TOKENS = {Endpoint.CHAT: 1024, Endpoint.COMPLETIONS: 16}
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_TOKEN_IDS = 64  # the engine checks every sampled token against them
+MAX_TOP_K = 1 << 20  # larger than any vocabulary: no cut
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch.Generator takes
 MAX_SESSION_ID_CHARS = 256
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -123,8 +126,8 @@ def parse_request(
     max_tokens = f.integer(max_param, minimum=1)
     temperature = f.number("temperature", 1.0, low=0.0, high=2.0)
     top_p = f.number("top_p", 1.0, low=0.0, high=1.0, low_open=True)
-    top_k = f.integer("top_k", minimum=-1)
-    seed = f.integer("seed")
+    top_k = f.integer("top_k", minimum=-1, maximum=MAX_TOP_K)
+    seed = f.integer("seed", minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
     ignore_eos = f.boolean("ignore_eos", False)
     stops = _stops(f)
     session_id = f.string("session_id")
@@ -136,7 +139,7 @@ def parse_request(
     # Cheap checks are done; now the model-dependent (and, for long prompts, costly) part.
     tokenizer = catalog.tokenizer(model)
     arch = catalog.arch(model)
-    stop_ids = f.int_list("stop_token_ids", minimum=0, below=arch.vocab_size)
+    stop_ids = f.int_list("stop_token_ids", minimum=0, below=arch.vocab_size, most=MAX_STOP_TOKEN_IDS)
     grammar, tool_format, reasoning, messages = None, None, False, None
     if endpoint is Endpoint.CHAT:
         prompt_param = "messages"
@@ -189,8 +192,9 @@ def _reject_unsupported(f: Fields, endpoint: Endpoint) -> None:
     if f.get("logit_bias"):
         raise APIError.invalid("logit_bias is not supported", "logit_bias")
     if endpoint is Endpoint.CHAT:
-        if f.get("logprobs") not in (None, False) or f.get("top_logprobs") not in (None, 0):
-            raise APIError.invalid("logprobs are not supported", "logprobs")
+        for name, off in (("logprobs", False), ("top_logprobs", 0)):
+            if f.get(name) not in (None, off):
+                raise APIError.invalid(f"{name} is not supported", name)
     else:
         if f.get("logprobs") not in (None, 0):
             raise APIError.invalid("logprobs are not supported", "logprobs")

@@ -7,3 +7,8 @@ class InstanceUnavailable(Exception):
 
 class InstanceFailed(Exception):
     """The instance died or errored while serving this call; the call is lost, the instance restarts: HTTP 503 / stream error."""
+
+
+class CallFailed(InstanceFailed):
+    """The instance ended this call alone with an error (its grammar, its sampling, a prompt larger than
+    the KV pool); the instance and its other calls go on: HTTP 500 / stream error."""

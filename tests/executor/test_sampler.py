@@ -112,3 +112,23 @@ def test_forget_resets_a_requests_stream():
     assert continued != first  # without forget, the stream goes on
     sampler.forget("r")
     assert draws(sampler, "r", params, FLAT, 20) == first
+
+
+def test_one_call_that_cannot_be_sampled_fails_alone():
+    """A seed no torch.Generator takes (the gateway refuses it; here it got through): that call is
+    failed, the others of the batch sample as they would have."""
+    logits = random_logits(3, seed=4)
+    calls = [("a", SamplingParams(temperature=1.0, seed=1)), ("bad", SamplingParams(temperature=1.0, seed=2**70)),
+             ("c", SamplingParams(temperature=0.0))]
+    tokens, failed = Sampler().sample(logits, calls)
+    assert list(failed) == ["bad"] and failed["bad"].startswith("sampling failed:")
+    alone = sample(Sampler(), logits[[0, 2]], [calls[0], calls[2]])
+    assert [tokens[0], tokens[2]] == alone
+
+
+def test_vanishing_temperature_and_top_p_choose_the_top_token():
+    logits = random_logits(4, seed=5)
+    top = logits.argmax(-1).tolist()
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(top_p=1e-300, seed=3),
+                   SamplingParams(temperature=1e-6, top_p=1e-300)):
+        assert sample(Sampler(), logits, [(str(i), params) for i in range(4)]) == top

@@ -233,11 +233,14 @@ def test_health_reports_each_instance():
     client = client_for(sup)
     resp = client.get("/health")
     assert resp.status_code == 200 and resp.json()["status"] == "ok"
-    sup.groups[1].healthy = False
+    sup.groups[1].healthy, sup.groups[1].state, sup.groups[1].restarts = False, "restarting", 3
+    sup.groups[1].last_failure = "lost a worker process (exit codes [-9, None])"
     resp = client.get("/health")
     assert resp.status_code == 503
-    assert resp.json()["instances"] == {"hot0": {"healthy": True, "in_flight": 0},
-                                        "cold0": {"healthy": False, "in_flight": 2}}
+    assert resp.json()["instances"] == {
+        "hot0": {"healthy": True, "state": "ready", "in_flight": 0, "restarts": 0, "last_failure": None},
+        "cold0": {"healthy": False, "state": "restarting", "in_flight": 2, "restarts": 3,
+                  "last_failure": "lost a worker process (exit codes [-9, None])"}}
 
 
 def test_metrics_after_a_call(client, sup):
@@ -301,3 +304,20 @@ def test_a_client_without_session_ids_is_recognised_by_its_conversation():
     other = [{"role": "user", "content": "something else"}]  # a new conversation: a new session
     client.post("/v1/chat/completions", json={"model": MODEL, "messages": other, "max_tokens": 4})
     assert len(b.calls) == 1 and b.calls[0].session_id != a.calls[0].session_id
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"model": "echo", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    (b'{"model": "echo", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt[1]"),
+    (b'{"model": "echo", "prompt": "a", "\\ud83dx": 1}', "\\ud83dx"),
+])
+def test_a_lone_surrogate_is_a_400_naming_where_it_is(client, raw, param):
+    raw = raw.replace(b'"echo"', json.dumps(MODEL).encode())
+    err = assert_openai_error(client.post("/v1/completions", content=raw), 400, param=param)
+    assert "surrogate" in err["message"]
+
+
+def test_a_paired_surrogate_escape_is_a_character(client):
+    raw = json.dumps({"model": MODEL, "prompt": "smile \U0001F600", "max_tokens": 2}, ensure_ascii=True)
+    assert "\\ud83d\\ude00" in raw
+    assert client.post("/v1/completions", content=raw).status_code == 200

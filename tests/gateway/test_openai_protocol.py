@@ -143,6 +143,12 @@ def test_session_id_body_wins_over_header(catalog):
     assert parse_request(CHAT, chat(session_id="b"), catalog, header_session_id="h").session_id == "b"
 
 
+def test_extreme_sampling_values_in_range_are_accepted(catalog):
+    p = parse_request(CHAT, chat(seed=2**64 - 1, temperature=1e-300, top_p=1e-300, top_k=2**20), catalog)
+    assert p.sampling.seed == 2**64 - 1 and p.sampling.greedy  # a temperature below GREEDY_BELOW is greedy
+    assert parse_request(CHAT, chat(seed=-(2**63)), catalog).sampling.seed == -(2**63)
+
+
 def test_top_k_minus_one_means_disabled(catalog):
     assert parse_request(CHAT, chat(top_k=-1), catalog).sampling.top_k == 0
 
@@ -183,6 +189,12 @@ def test_max_tokens_exactly_filling_the_context_is_accepted(catalog):
         (CHAT, chat(top_k=-2), 400, "top_k", None),
         (CHAT, chat(top_k=1.5), 400, "top_k", None),
         (CHAT, chat(seed="1"), 400, "seed", None),
+        (CHAT, chat(seed=2**64), 400, "seed", None),  # beyond a torch.Generator: it took the worker down
+        (CHAT, chat(seed=-(2**63) - 1), 400, "seed", None),
+        (CHAT, chat(temperature=float("inf")), 400, "temperature", None),  # a JSON 1e400
+        (CHAT, chat(top_p=float("nan")), 400, "top_p", None),
+        (CHAT, chat(top_k=2**70), 400, "top_k", None),
+        (CHAT, chat(stop_token_ids=list(range(65))), 400, "stop_token_ids", None),
         (CHAT, chat(seed=False), 400, "seed", None),
         (CHAT, chat(n=2), 400, "n", None),
         (CHAT, chat(n=0), 400, "n", None),
