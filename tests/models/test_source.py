@@ -8,7 +8,7 @@ import pytest
 
 from talaria.config.schema import ModelConfig, SyntheticShape
 from talaria.models import source as source_module
-from talaria.models.conversion_cache import ENV_VAR
+from talaria.models.conversion_cache import ENV_VAR, LOCK, MANIFEST
 from talaria.models.errors import ModelSourceError
 from talaria.models.gguf_file import GgufFile
 from talaria.models.source import SourceKind, model_arch, prepare_model, resolve_source
@@ -35,7 +35,7 @@ def test_prepared_smollm2_matches_model_arch_and_is_an_hf_dir(smollm_files):
     assert smollm_files.arch == model_arch(SMOLLM, None)
     assert smollm_files.dtype == "float32" and smollm_files.name == "smollm2"
     names = {p.name for p in smollm_files.directory.iterdir()}
-    assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MANIFEST}
     assert smollm_files.directory.name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")
 
 
@@ -46,7 +46,7 @@ def test_second_prepare_reuses_the_cache_without_rewriting(smollm_files, smollm_
     again = prepare_model(SMOLLM, None, smollm_cache)
     assert again == smollm_files
     assert weights.stat().st_mtime_ns == mtime
-    assert [p.name for p in smollm_cache.iterdir()] == [smollm_files.directory.name]  # no temp folders left
+    assert sorted(p.name for p in smollm_cache.iterdir()) == [LOCK, smollm_files.directory.name]  # no temp folders
 
 
 def test_gguf_change_invalidates_the_cache(tmp_path):
