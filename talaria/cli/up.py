@@ -27,7 +27,8 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
 
     Models are converted once (GGUF -> safetensors, synthetic -> generated) into the cache
     (TALARIA_CACHE_DIR, default ~/.cache/talaria); later starts reuse it. Stop with Ctrl-C or
-    SIGTERM: every worker process exits with the supervisor.
+    SIGTERM: the node stops accepting connections, lets calls in flight finish for up to
+    [server] drain_s seconds, then stops; every worker process exits with the supervisor.
     """
     import uvicorn
 
@@ -76,6 +77,6 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
     app.router.lifespan_context = lifespan
     # proxy_headers off: one ASGI layer fewer per request; nothing here reads the client's address
     uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, access_log=access_log,
-                proxy_headers=False, timeout_graceful_shutdown=5)
+                proxy_headers=False, timeout_graceful_shutdown=cfg.server.drain_s)
     if not supervisor.groups or not all(g.ready and g.ready.error is None for g in supervisor.groups):
         sys.exit(1)

@@ -64,6 +64,7 @@ class ServerConfig:
     # Messages API: drop the "x-anthropic-billing-header: ..." line Claude Code puts first in its system
     # prompt; it changes on every request and would defeat the prefix cache (docs/api.md)
     strip_billing_header: bool = True
+    drain_s: float = 30.0  # SIGTERM: stop admitting, give in-flight calls this long to finish, then stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,9 @@ class InstanceConfig:
     profile: str | None = None  # cost profile TOML (relative: to the config); None = measured at start-up
     debug_poison: bool = False  # NaN into every released region, freed page and dirtied chunk
     record_steps: bool = False  # a `call` event per call and a `step` event per step (simulator parity)
+    # watchdog: with calls in flight and no snapshot for max(stall_s, 8 x its longest predicted step),
+    # the instance is marked unhealthy, its calls fail with 503 and it restarts (docs/operations.md)
+    stall_s: float = 20.0
 
     def enabled(self, mechanism: Ablation) -> bool:
         """Whether `mechanism` runs here: not ablated (round_only ablates all three) and configured on."""

@@ -21,7 +21,9 @@ class InstanceHandle(Protocol):
     healthy: bool  # ready and serving; False while starting, restarting or stopped
     stats: InstanceStats | None  # the latest telemetry snapshot (None before the first)
     ready: InstanceReady | None  # what it reported when it last became ready (its cost profile among it)
-    restarts: int  # times its workers died and it was restarted
+    restarts: int  # times its workers died (or stalled) and it was restarted
+    state: str  # starting | ready | restarting | stopped
+    last_failure: str | None  # why it last failed (None if it never has)
 
     @property
     def in_flight(self) -> int:

@@ -97,12 +97,14 @@ class InstanceTelemetry:
     models: tuple[str, ...]  # the models it serves, in config order
     stats: InstanceStats | None  # its latest snapshot; None before the first
     profile: str | None  # its cost profile as TOML (talaria.contracts.profile_file); None until ready
-    restarts: int = 0  # times its workers died and it was restarted
+    restarts: int = 0  # times its workers died (or stalled) and it was restarted
+    state: str = "ready"  # starting | ready | restarting | stopped
+    last_failure: str | None = None  # why it last failed
 
     def to_dict(self) -> dict[str, Any]:
         return {"healthy": self.healthy, "in_flight": self.in_flight, "models": list(self.models),
                 "stats": asdict(self.stats) if self.stats is not None else None, "profile": self.profile,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "state": self.state, "last_failure": self.last_failure}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> InstanceTelemetry:
@@ -110,7 +112,7 @@ class InstanceTelemetry:
         stats = data.get("stats")
         return cls(bool(data.get("healthy")), int(data.get("in_flight") or 0), tuple(data.get("models") or ()),
                    stats_from_dict(stats) if stats is not None else None, data.get("profile"),
-                   int(data.get("restarts") or 0))
+                   int(data.get("restarts") or 0), str(data.get("state") or "ready"), data.get("last_failure"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,11 +67,17 @@ class Executor:
         """Tell every other rank to leave `follow`."""
         self.group.broadcast_object(StopPlan())
 
+    def keepalive(self) -> None:
+        """An idle rank 0's no-op plan: the other ranks' wait for a plan restarts its timeout."""
+        self.group.broadcast_object(None)
+
     # ---- every other rank ------------------------------------------------------------------
 
     def follow(self) -> bool:
         """Run the next plan rank 0 broadcasts; False when it says stop."""
         plan = self.group.broadcast_object()
+        if plan is None:  # keep-alive
+            return True
         if isinstance(plan, StopPlan):
             return False
         if isinstance(plan, SwitchPlan):

@@ -4,6 +4,11 @@ Every rank joins the group's torch.distributed process group (gloo on CPU, NCCL 
 its `Executor`. Rank 0 starts the `Driver` and talks to the supervisor over a pipe: it drains calls
 and cancels between steps, steps while there is work, and sends outputs and periodic stats back.
 Other ranks follow rank 0's plans until it broadcasts a stop.
+
+Nothing listens beyond loopback: the ranks meet through a FileStore (no TCP store, no port to race
+for) and gloo and NCCL open their sockets on `lo`. Collectives time out after COLLECTIVE_TIMEOUT_S,
+so a rank stuck in one exits rather than waiting for ever; an idle rank 0 broadcasts a keep-alive
+every KEEPALIVE_S so that waiting for the next plan is never mistaken for a stall.
 """
 
 from __future__ import annotations
@@ -19,9 +24,7 @@ import torch.distributed as dist
 
 from talaria.config.schema import Device, InstanceConfig
 from talaria.contracts.call import (
-    CallOutput,
     CancelCall,
-    FinishReason,
     InstanceCall,
     InstanceReady,
     Shutdown,
@@ -37,19 +40,24 @@ from talaria.models.source import ModelFiles
 
 STATS_EVERY_S = 0.25
 IDLE_POLL_S = 0.5
+KEEPALIVE_S = 10.0  # an idle rank 0 broadcasts a no-op plan this often (tp > 1)
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective not completed by then raises: the rank exits, the group restarts
+LOOPBACK = "lo"
 
 
-def run_rank(instance: InstanceConfig, models: list[ModelFiles], rank: int, master_port: int, threads: int,
+def run_rank(instance: InstanceConfig, models: list[ModelFiles], rank: int, rendezvous: str, threads: int,
              conn: Connection | None, fault: TestOnlyFault | None = None, probes: Probes | None = None) -> None:
-    """The whole life of one rank; `conn` is rank 0's pipe to the supervisor (None on other ranks)."""
+    """The whole life of one rank; `conn` is rank 0's pipe to the supervisor (None on other ranks);
+    `rendezvous`: the path of the group's FileStore."""
     torch.set_num_threads(threads)
     tp = instance.tp
     if tp > 1:
         backend = "nccl" if instance.device is Device.CUDA else "gloo"
         if instance.device is Device.CUDA:
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}",
-                                rank=rank, world_size=tp, timeout=timedelta(days=7))
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=tp,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     t0 = time.monotonic()
     try:
         executor = Executor(instance, models, TPGroup(rank, tp), fault=fault)
@@ -75,7 +83,7 @@ def _force_switch(driver: Driver, msg: SwitchModel, waiting: list) -> list:
     if sched.active == msg.model:
         return [SwitchDone(msg.request_id, None)]
     sched.force_switch(msg.model)
-    waiting.append((msg, len(sched.switches)))
+    waiting.append((msg, sched.switch_count))  # not len(switches): that list keeps the last 16
     return []
 
 
@@ -84,7 +92,7 @@ def _switched(driver: Driver, waiting: list) -> list:
     sched, done = driver.scheduler, []
     for item in list(waiting):
         msg, mark = item
-        if len(sched.switches) > mark and sched.active == msg.model:
+        if sched.switch_count > mark and sched.active == msg.model:
             done.append(SwitchDone(msg.request_id, sched.switches[-1].to_dict()))
             waiting.remove(item)
     return done
@@ -92,8 +100,8 @@ def _switched(driver: Driver, waiting: list) -> list:
 
 def _serve(driver: Driver, conn: Connection) -> None:
     """Rank 0's loop: messages in, steps, outputs out."""
-    last_stats = 0.0
-    in_flight: set[str] = set()
+    last_stats = last_plan = 0.0
+    keepalive = driver.executor.group.size > 1
     switches: list[tuple[SwitchModel, int]] = []  # admin switches waiting for their record
     try:
         while True:
@@ -103,7 +111,6 @@ def _serve(driver: Driver, conn: Connection) -> None:
                 msg = conn.recv()
                 timeout = 0
                 if isinstance(msg, InstanceCall):
-                    in_flight.add(msg.request_id)
                     out += driver.add(msg)
                 elif isinstance(msg, CancelCall):
                     out += driver.cancel(msg.request_id)
@@ -112,25 +119,22 @@ def _serve(driver: Driver, conn: Connection) -> None:
                 elif isinstance(msg, Shutdown):
                     driver.stop()
                     return
+            now = time.monotonic()
             if driver.has_work or switches:
                 out += driver.step()
+                last_plan = now
+            elif keepalive and now - last_plan >= KEEPALIVE_S:
+                driver.executor.keepalive()
+                last_plan = now
             out += _switched(driver, switches)
             out += driver.scheduler.drain_events()
-            now = time.monotonic()
             if now - last_stats >= STATS_EVERY_S:
                 out.append(driver.stats())
                 last_stats = now
             if out:
-                for o in out:
-                    if isinstance(o, CallOutput) and o.finish is not None:
-                        in_flight.discard(o.request_id)
                 conn.send(out)
     except (EOFError, BrokenPipeError):
         os._exit(0)  # the supervisor is gone: nobody to serve
-    except Exception as e:  # noqa: BLE001 -- whatever broke, fail the calls and let the group restart
-        message = f"engine error: {type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 -- the group's state is unknown: exit, the supervisor fails its calls and restarts it
         traceback.print_exc()
-        try:
-            conn.send([CallOutput(r, (), FinishReason.ERROR, error=message) for r in in_flight])
-        finally:
-            os._exit(1)  # the group's state is unknown: let the supervisor restart it
+        os._exit(1)

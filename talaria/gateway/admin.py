@@ -45,7 +45,8 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
         for g in supervisor.groups:
             profile = g.ready.profile if g.ready is not None else None
             instances[g.name] = InstanceTelemetry(g.healthy, g.in_flight, g.config.models, g.stats,
-                                                  dump_profile(profile) if profile is not None else None, g.restarts)
+                                                  dump_profile(profile) if profile is not None else None, g.restarts,
+                                                  g.state, g.last_failure)
         router = gateway.dispatcher.router
         return JSONResponse(NodeTelemetry(router.clock(), instances, router.telemetry()).to_dict())
 

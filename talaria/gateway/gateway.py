@@ -118,10 +118,12 @@ class Gateway:
         self._started = int(wall_clock())
 
     async def health(self, request: Request) -> JSONResponse:
-        """200 when every engine group is healthy, else 503; the body lists each instance."""
+        """200 when every engine group is healthy, else 503; the body lists each instance: its state
+        (starting, ready, restarting, stopped), calls in flight, restarts and why it last failed."""
         groups = self.supervisor.groups
         ok = bool(groups) and all(g.healthy for g in groups)
-        instances = {g.name: {"healthy": g.healthy, "in_flight": g.in_flight} for g in groups}
+        instances = {g.name: {"healthy": g.healthy, "state": g.state, "in_flight": g.in_flight,
+                              "restarts": g.restarts, "last_failure": g.last_failure} for g in groups}
         return JSONResponse({"status": "ok" if ok else "unavailable", "instances": instances},
                             status_code=200 if ok else 503)
 

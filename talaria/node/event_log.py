@@ -4,17 +4,22 @@ Events from every instance (and later the router) arrive here on the supervisor'
 Each gets the next node-wide sequence number, goes into a bounded ring (so a dashboard that
 connects late can replay from a sequence number), is appended to the JSONL file when one is
 configured, and is pushed to every live subscriber. A subscriber that falls behind loses its
-oldest unread events rather than slowing the node down.
+oldest unread events rather than slowing the node down. The file never takes the node down: the
+first write that fails (a full disk, a removed mount) is logged and the file sink turned off; the
+ring and the subscribers go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from talaria.contracts.events import Event
+
+log = logging.getLogger("talaria.node")
 
 SUBSCRIBER_QUEUE = 1000  # events a slow subscriber may lag before it loses the oldest
 
@@ -24,6 +29,7 @@ class EventLog:
         self._ring: deque[Event] = deque(maxlen=capacity)
         self._next = 1
         self._subscribers: set[asyncio.Queue] = set()
+        self._path = path
         self._file = path.open("a", encoding="utf-8") if path is not None else None
 
     def append(self, events: list[Event]) -> None:
@@ -34,8 +40,12 @@ class EventLog:
         numbered = [Event(e.t, e.instance, e.kind, e.data, seq) for seq, e in enumerate(events, first)]
         self._ring.extend(numbered)
         if self._file is not None:
-            self._file.write("".join(e.to_json() + "\n" for e in numbered))
-            self._file.flush()
+            try:
+                self._file.write("".join(e.to_json() + "\n" for e in numbered))
+                self._file.flush()
+            except OSError as e:
+                log.error("event log: writing %s failed (%s); events are no longer written to it", self._path, e)
+                self._drop_file()
         for q in self._subscribers:
             for e in numbered:
                 if q.full():
@@ -65,5 +75,15 @@ class EventLog:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # what was buffered could not be written either
+                pass
             self._file = None
+
+    def _drop_file(self) -> None:
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:
+            pass

@@ -22,7 +22,7 @@ class WorkerSpec:
     instance: InstanceConfig
     models: tuple[ModelFiles, ...]
     rank: int
-    master_port: int
+    rendezvous: str  # the group's FileStore: a file in a folder private to the supervisor
     threads: int
     fault: TestOnlyFault | None = None  # tests only: corrupt one rank's HKVR agreement reports
     probes: Probes | None = None  # `talaria profile`: calibrate with these, whatever the config says
@@ -33,7 +33,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
     _die_with_parent()
     from talaria.executor.rank_loop import run_rank  # torch, in the worker only
 
-    run_rank(spec.instance, list(spec.models), spec.rank, spec.master_port, spec.threads, conn,
+    run_rank(spec.instance, list(spec.models), spec.rank, spec.rendezvous, spec.threads, conn,
              spec.fault, spec.probes)
 
 

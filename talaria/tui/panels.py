@@ -240,13 +240,17 @@ def _draw_instance(out: Text, view: InstanceView, model_col: int) -> None:
     out.append(view.name, "bold")
     facts = [view.pool] if view.pool else []
     if view.healthy is not None:
-        facts.append("healthy" if view.healthy else "UNHEALTHY")
+        facts.append("healthy" if view.healthy else f"UNHEALTHY ({view.state})" if view.state else "UNHEALTHY")
+    if view.restarts:
+        facts.append(f"{view.restarts} restart{'s' if view.restarts > 1 else ''}")
     if view.in_flight is not None:
         facts.append(f"{view.in_flight} in flight")
     sub = view.stats.substrate if view.stats is not None else {}
     if "host_kv_slabs_total" in sub:
         facts.append(f"HKVR {sub['host_kv_slabs_used']}/{sub['host_kv_slabs_total']}")
     out.append("  " + " · ".join(facts) + "\n", "red" if view.healthy is False else "")
+    if view.last_failure and view.healthy is False:
+        out.append(f"  last failure: {view.last_failure}\n", "red")
     for row in view.model_rows():
         out.append(f"  {_cell(row.model, model_col)} ").append(f"{row.state:<7}", MODEL_STATE_STYLE[row.state])
         out.append(f"{row.coverage:>5.0%}" if row.coverage is not None else " " * 5)

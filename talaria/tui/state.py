@@ -79,6 +79,9 @@ class InstanceView:
         self.name = name
         self.healthy: bool | None = None
         self.in_flight: int | None = None
+        self.state: str | None = None  # starting | ready | restarting | stopped
+        self.restarts = 0
+        self.last_failure: str | None = None
         self.models: tuple[str, ...] = ()
         self.stats: InstanceStats | None = None
         self.profile: Profile | None = None
@@ -89,6 +92,7 @@ class InstanceView:
     def observe(self, entry: InstanceTelemetry) -> None:
         """One instance entry of a telemetry body; a snapshot older than the one held is dropped."""
         self.healthy, self.in_flight = entry.healthy, entry.in_flight
+        self.state, self.restarts, self.last_failure = entry.state, entry.restarts, entry.last_failure
         self.models = entry.models or self.models
         stats = entry.stats
         if stats is not None and (self.stats is None or stats.version > self.stats.version):

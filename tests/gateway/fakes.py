@@ -81,6 +81,8 @@ class FakeEchoGroup:
     stats: InstanceStats | None = None  # the InstanceHandle attributes the router reads
     ready: InstanceReady | None = None
     restarts: int = 0
+    state: str = "ready"
+    last_failure: str | None = None
     fail_after: int | None = None
     hang_after: int | None = None
     eos_after: int | None = None

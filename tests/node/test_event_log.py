@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from pathlib import Path
 
 from talaria.contracts.events import Event, EventKind
 from talaria.node.event_log import SUBSCRIBER_QUEUE, EventLog
@@ -65,3 +67,14 @@ def test_data_never_shadows_the_envelope():
     log.append([Event(2.5, "hot-0", EventKind.KV_CHECKPOINT, {"seq": 99, "kind": "x", "pages_saved": 3})])
     line = json.loads(log.since(0)[0].to_json())
     assert (line["seq"], line["kind"], line["t"], line["pages_saved"]) == (1, "kv_checkpoint", 2.5, 3)
+
+
+def test_a_full_disk_turns_the_file_off_once_and_the_log_goes_on(caplog):
+    log = EventLog(capacity=10, path=Path("/dev/full"))  # every write fails with ENOSPC, as on a full disk
+    with caplog.at_level(logging.ERROR, logger="talaria.node"):
+        log.append([ev(1)])
+        log.append([ev(2), ev(3)])
+    assert [e.seq for e in log.since(0)] == [1, 2, 3]  # numbered and kept all the same
+    failures = [r for r in caplog.records if "/dev/full" in r.getMessage()]
+    assert len(failures) == 1 and "No space left" in failures[0].getMessage()
+    log.close()
