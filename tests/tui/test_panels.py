@@ -143,3 +143,20 @@ async def test_a_node_that_is_away_shows_disconnected_and_hides_pause():
         assert status.has_class("-disconnected")
         assert panel_text(app, "status").startswith(" DISCONNECTED  http://127.0.0.1:9 · cannot connect")
         assert app.check_action("pause", ()) is False
+
+
+async def test_an_instance_in_a_crash_loop_shows_its_restarts_and_why():
+    down = json.loads(json.dumps(TELEMETRY))
+    cold = down["instances"]["cold-0"]
+    cold.update(healthy=False, state="restarting", restarts=3,
+                last_failure="stalled: rank 0 sent nothing for 20.5s with 1 calls in flight (limit 20.0s)")
+    app = replay_app(EVENTS)
+    async with app.run_test(size=SIZE) as pilot:
+        await finished(app, pilot)
+        app.state.apply_telemetry(down)
+        app.feed.clock.anchor(down["time"])
+        app.redraw()
+        await pilot.pause()
+        text = panel_text(app, "sessions")
+    assert "UNHEALTHY (restarting)" in text and "3 restarts" in text
+    assert "last failure: stalled: rank 0 sent nothing" in text
