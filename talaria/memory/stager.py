@@ -180,9 +180,16 @@ class Stager:
         self._state[chunk.index] = ChunkState.CLEAN
 
     def _chunks_at(self, page: int) -> list[int]:
-        """Indices of the placed chunks whose pages include `page` (at most two)."""
+        """Indices of the placed chunks whose pages include `page`: two at most when chunks are at
+        least a page, any number when they are smaller. Chunks are consecutive byte ranges, so
+        their page spans grow in both ends: those reaching `page` are the last ones starting at or
+        before it, back to the first that ends before it."""
         i = bisect.bisect_right(self._spans, (page, float("inf"), 0))
-        return [j for first, end, j in self._spans[max(0, i - 2):i] if first <= page < end]
+        found = []
+        while i > 0 and self._spans[i - 1][1] > page:
+            i -= 1
+            found.append(self._spans[i][2])
+        return found
 
     def blocked_pages(self) -> AbstractSet[int] | range:
         """Pages the KV allocator must not hand out: those under a chunk being written."""

@@ -126,6 +126,18 @@ def test_on_allocate_dirties_exactly_the_overlapping_clean_chunks():
     assert s.state(2) is ChunkState.DIRTY and s.state(3) is ChunkState.CLEAN
 
 
+def test_chunks_smaller_than_a_page_are_all_dirtied_by_it():
+    """A 2048-byte page under 512-byte chunks: every chunk on it turns DIRTY (once, only two did,
+    and the others' overwritten bytes were gathered into the next model's weights; bench/chaos.py)."""
+    s = staged_b(chunk_bytes=512)
+    stage_all(s)
+    under = {p: [c.index for c in s.chunks if p in c.pages] for p in range(24)}
+    page = max(under, key=lambda p: len(under[p]))
+    assert len(under[page]) >= 4
+    s.on_allocate([page])
+    assert {c.index for c in s.chunks if s.state(c.index) is ChunkState.DIRTY} == set(under[page])
+
+
 def test_on_allocate_leaves_missing_chunks_missing_and_dirty_chunks_are_restaged():
     s = staged_b()
     s.on_allocate([22])
