@@ -5,7 +5,9 @@ content, assistant `tool_calls`, `tool` messages): the OpenAI protocol directly,
 Messages API after converting its content blocks. What it decides: how the model sees the tools
 (talaria/gateway/tools.py), whether and how its output is parsed, the grammar a forced choice or a
 JSON format needs (talaria/gateway/grammar.py), and the prompt's ids, tokenized from the last prompt
-of the same conversation when there is one (talaria/gateway/prompt_cache.py).
+of the same conversation when there is one (talaria/gateway/prompt_cache.py). The client's text is
+tokenized as text: a special token's text in it never becomes a control token, only the template's
+markup does (`Tokenizer.apply_chat_template` quotes it, `encode_prompt` reads the quotes).
 """
 
 from __future__ import annotations
