@@ -8,7 +8,7 @@ from typing import NoReturn
 import click
 
 from talaria.config.errors import ConfigError
-from talaria.config.loader import default_config_path, load_config
+from talaria.config.loader import config_warnings, default_config_path, load_config
 from talaria.config.schema import TalariaConfig
 from talaria.config.tables import format_size
 from talaria.node.preflight import check_files
@@ -44,6 +44,8 @@ def check(file: Path | None, with_files: bool) -> None:
     except ConfigError as e:
         _fail(e)
     click.echo(_summary(cfg))
+    for line in config_warnings(cfg):
+        click.echo(line, err=True)
     if with_files:
         try:
             info = check_files(cfg)

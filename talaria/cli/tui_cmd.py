@@ -10,7 +10,8 @@ import click
 @click.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True,
               help="The node to watch (what `talaria up` prints); ignored with --replay.")
-@click.option("--api-key", help="Sent as 'Authorization: Bearer KEY' (the node's [server] api_key).")
+@click.option("--api-key", help="Sent as 'Authorization: Bearer KEY': the node's [server] admin_key (not needed "
+              "on the node's own machine while it has none; docs/security.md).")
 @click.option("--replay", "replay_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Play back an events JSONL file ([telemetry] events_path, or `talaria sim --events`) "
                    "instead of watching a node.")

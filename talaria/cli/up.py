@@ -33,8 +33,9 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
     import uvicorn
 
     from talaria.config.errors import ConfigError
-    from talaria.config.loader import default_config_path, load_config
+    from talaria.config.loader import config_warnings, default_config_path, load_config
     from talaria.gateway.gateway import create_app
+    from talaria.gateway.limits import send_deadline_protocol
     from talaria.node.errors import InstanceFailed
     from talaria.node.preflight import check_files
     from talaria.node.supervisor import Supervisor
@@ -43,7 +44,7 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
     path = config_path or default_config_path()
     try:
         cfg = load_config(path)
-        for line in check_files(cfg):
+        for line in [*config_warnings(cfg), *check_files(cfg)]:
             click.echo(line, err=True)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
@@ -75,8 +76,11 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
         await supervisor.stop()
 
     app.router.lifespan_context = lifespan
-    # proxy_headers off: one ASGI layer fewer per request; nothing here reads the client's address
+    # proxy_headers off: one ASGI layer fewer per request; nothing here reads the client's address.
+    # The HTTP protocol drops clients that stop reading; max_connections is the app's ConnectionLimit
+    # (uvicorn's limit_concurrency would answer in text/plain, /health included; talaria/gateway/limits.py)
+    http = send_deadline_protocol(server.send_timeout_s) if server.send_timeout_s else "auto"
     uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, access_log=access_log,
-                proxy_headers=False, timeout_graceful_shutdown=cfg.server.drain_s)
+                proxy_headers=False, timeout_graceful_shutdown=cfg.server.drain_s, http=http)
     if not supervisor.groups or not all(g.ready and g.ready.error is None for g in supervisor.groups):
         sys.exit(1)

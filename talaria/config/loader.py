@@ -4,16 +4,19 @@
 the heads of synthetic models (their shape is in the file). They read no other file, so
 `talaria config check` is instant. The checks against model files and devices, which `talaria up`
 runs before it starts anything, are `talaria.node.preflight.check_files`. Both collect every
-problem and raise one `ConfigError` that lists them all.
+problem and raise one `ConfigError` that lists them all. `config_warnings` names what a valid config
+may still get wrong; `talaria up` and `talaria config check` print it.
 """
 
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 import tomllib
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import (
@@ -79,6 +82,7 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
     instances, _ = read_array(InstanceConfig, raw, "instances", probs)
     archs = _check_models(models, probs)
     _check_instances(instances, model_names, archs, probs)
+    _check_keys(server, probs)
     for peer in router.peers:
         if not re.match(r"https?://[^/\s]+", peer.url):
             probs.add("[[router.peers]]", f"url = {toml_value(peer.url)} is not an http(s) base URL; write e.g. "
@@ -87,6 +91,43 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
     return TalariaConfig(path=path, server=server, models=tuple(m for _, m in models),
                          instances=tuple(i for _, i in instances), router=router,
                          telemetry=telemetry)
+
+
+def _check_keys(server: ServerConfig, probs: Problems) -> None:
+    keys = [k.key for k in server.api_keys] + [k for k in (server.api_key, server.admin_key, server.peer_key) if k]
+    for key in sorted({k for k in keys if keys.count(k) > 1}):
+        probs.add("[server]", f"the key {key[:4]}... is given twice (api_key, [[server.api_keys]], admin_key, "
+                  "peer_key); every key must be distinct: a key's rights follow from which one it is")
+    for entry in server.api_keys:
+        if not entry.key:
+            probs.add("[[server.api_keys]]", "key is empty; write a secret, e.g. key = \"sk-team-a-...\"")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", entry.tenant):
+            probs.add("[[server.api_keys]]", f"tenant = {toml_value(entry.tenant)} must be 1-64 letters, digits, "
+                      "'_', '.' or '-', e.g. tenant = \"team-a\"")
+
+
+def config_warnings(cfg: TalariaConfig) -> list[str]:
+    """`FILE: WHERE: warning: ...` lines for what a valid config may still get wrong: a peer reached
+    over plain http on another machine, where its key and the calls forwarded there can be read."""
+    file = str(cfg.path) if cfg.path is not None else "<config>"
+    lines = []
+    for peer in cfg.router.peers:
+        url = urlsplit(peer.url)
+        if url.scheme == "http" and not _loopback(url.hostname or ""):
+            what = "its api_key and the prompts forwarded there" if peer.api_key else "the prompts forwarded there"
+            lines.append(f"{file}: [[router.peers]]: warning: url = {toml_value(peer.url)} is plain http to "
+                         f"another machine: {what} cross the network unencrypted; use https://")
+    return lines
+
+
+def _loopback(host: str) -> bool:
+    """localhost, 127.0.0.0/8 or ::1: traffic that never leaves the machine."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def tp_misfits(tp: int, arch: ModelArch) -> list[str]:

@@ -56,10 +56,27 @@ DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
+class ApiKeyConfig:
+    """A user key and its tenant: the tenant's prefix-cache pages, sessions and continuity chains
+    are its own (docs/security.md)."""
+
+    key: str
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, every /v1 call needs "Authorization: Bearer <key>" or "x-api-key: <key>"
+    # when set, every /v1 call needs "Authorization: Bearer <key>" or "x-api-key: <key>"; shorthand for
+    # one [[server.api_keys]] entry of tenant "default"
+    api_key: str | None = None
+    api_keys: tuple[ApiKeyConfig, ...] = ()  # [[server.api_keys]]: user keys, each with its tenant
+    admin_key: str | None = None  # /talaria/admin/* and the event stream; unset: loopback clients only
+    peer_key: str | None = None  # what other nodes present to read telemetry and forward calls here
+    max_connections: int = 512  # concurrent HTTP connections; more are answered 503
+    read_timeout_s: float = 30.0  # a request body not received whole within this is a 408
+    send_timeout_s: float = 30.0  # a client that stops reading its response this long is dropped, its call cancelled
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get HTTP 413
     # Messages API: drop the "x-anthropic-billing-header: ..." line Claude Code puts first in its system
     # prompt; it changes on every request and would defeat the prefix cache (docs/api.md)
@@ -158,6 +175,7 @@ class InstanceConfig:
 class Overload(str, Enum):
     """What the router does when no instance passes the admission and HBM checks."""
 
+    SESSIONS = "sessions"  # calls of admitted sessions wait (bounded); new sessions shed fairly (routing/shedding.py)
     REJECT = "reject"  # HTTP 429 with Retry-After
     QUEUE = "queue"  # hold the call at the gateway (bounded) until an instance admits it
     SPILL = "spill"  # send it to the least loaded instance anywhere, peers first
@@ -173,7 +191,7 @@ class PeerConfig:
 class RouterConfig:
     lease_s: float = 1.0  # soft-reservation lifetime after a call completes (paper: tau); 0 = no leases
     policy: RouterPolicy = RouterPolicy.FULL
-    overload: Overload = Overload.REJECT
+    overload: Overload = Overload.SESSIONS
     stale_s: float = 2.0  # a snapshot older than this: the instance gets no new placements (leases still count)
     heartbeat_s: float = 0.5  # how often peers' telemetry is fetched
     lease_unit: float = 1.0  # admission units a live lease charges its instance (in calls of the mean prompt)
@@ -183,8 +201,8 @@ class RouterConfig:
     hbm_price_s_per_gib: float = 0.05  # mu at an empty pool (doubles when the pool is full)
     session_ttl_s: float = 900.0  # sessions remembered this long after their last call
     max_sessions: int = 100_000  # and at most this many
-    queue_timeout_s: float = 30.0  # overload = "queue": longest a call waits at the gateway
-    max_queued: int = 256  # overload = "queue": calls held at once; more get 429
+    queue_timeout_s: float = 30.0  # overload = "queue" or "sessions": longest a call waits at the gateway
+    max_queued: int = 256  # overload = "queue" or "sessions": calls held at once; more get 429
     peers: tuple[PeerConfig, ...] = ()  # [[router.peers]]: other nodes whose instances join the candidates
 
 

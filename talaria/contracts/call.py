@@ -57,6 +57,7 @@ class InstanceCall:
     sampling: SamplingParams
     session_id: str | None = None
     enqueue_time: float = 0.0  # intended enqueue, node monotonic clock (s); TTFT is measured from it
+    cache_salt: str | None = None  # its tenant and `cache_salt`: KV prefixes are shared only among equal salts
 
 
 @_pickled_by_fields

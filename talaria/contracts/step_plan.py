@@ -21,6 +21,7 @@ class SeqChunk:
     # rank's ledger knows the whole prefix it holds (what it reports for the HKVR agreement)
     prefix: tuple[int, ...] = ()
     decode: bool = False  # one generated token fed back (a decode step), not a prompt chunk: how it is priced
+    root: int = 0  # where its page-hash chain starts (page_manager.chain_root of its call's salt)
 
     @property
     def context_len(self) -> int:

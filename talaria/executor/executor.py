@@ -96,7 +96,7 @@ class Executor:
             model, src0, src1, dst0, dst1 = ops.stage
             sub.start_staging(model, (src0, src1), (dst0, dst1))
         for c in plan.chunks:
-            self.ledger.record(c.seq_id, c.start_pos, c.token_ids, c.prefix)
+            self.ledger.record(c.seq_id, c.start_pos, c.token_ids, c.prefix, c.root)
         logits = run_step(sub.model, sub.kv, plan) if plan.chunks else None
         reports = self._agree(ops.agree)
         for seq_id in ops.forget:

@@ -40,7 +40,7 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
     supervisor = gateway.supervisor
 
     async def telemetry(request: Request) -> JSONResponse:
-        gateway.authorize(request)
+        gateway.keys.telemetry(request)
         instances = {}
         for g in supervisor.groups:
             profile = g.ready.profile if g.ready is not None else None
@@ -51,7 +51,7 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
         return JSONResponse(NodeTelemetry(router.clock(), instances, router.telemetry()).to_dict())
 
     async def switch(request: Request) -> JSONResponse:
-        gateway.authorize(request)
+        gateway.keys.admin_only(request)
         body = await read_json(request, gateway.config.server.max_body_bytes)
         if not isinstance(body, dict) or not isinstance(body.get("instance"), str) \
                 or not isinstance(body.get("model"), str):
@@ -71,7 +71,7 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
         return JSONResponse({"instance": group.name, "model": body["model"], "switch": record})
 
     async def events(request: Request) -> SSEResponse:
-        gateway.authorize(request)
+        gateway.keys.admin_only(request)
         try:
             since = int(request.query_params.get("since", "0"))
         except ValueError:

@@ -37,6 +37,7 @@ from talaria.gateway.openai_protocol import (
     Endpoint,
     ModelCatalog,
     ParsedRequest,
+    cache_salt,
     request_fields,
     served_model,
 )
@@ -79,7 +80,7 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
     sampling = SamplingParams(max_tokens=min(max_tokens or 1, room), temperature=temperature, top_p=top_p,
                               top_k=top_k or 0, stop_token_ids=tuple(tokenizer.eos_token_ids), grammar=chat.grammar)
     return ParsedRequest(Endpoint.MESSAGES, model, chat.ids, sampling, stream, False, stops, session,
-                         chat.tool_format, chat.reasoning, messages)
+                         chat.tool_format, chat.reasoning, messages, cache_salt(f))
 
 
 def _output_format(f: Fields) -> str | None:

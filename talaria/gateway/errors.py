@@ -16,6 +16,7 @@ from talaria.routing.errors import RETRY_AFTER_S  # noqa: F401  (what a 429 or 5
 # OpenAI's `type` values, chosen by status class so clients can branch on them.
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
+PERMISSION = "permission_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"

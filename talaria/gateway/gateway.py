@@ -2,16 +2,18 @@
 
 `create_app(node)` serves `/v1/chat/completions`, `/v1/completions`, Anthropic's `/v1/messages`
 (and `/v1/messages/count_tokens`), each streamed as SSE or whole, plus `/v1/models`, `/health`,
-`/metrics` and the admin routes. A completion request is: authorize, read the body under
-`max_body_bytes`, parse (`openai_protocol`, `anthropic_protocol`), place (the routing `dispatcher`
-over the session-aware router), then drive the call as text (`generation`), parse the text into
-reasoning, content and tool calls (`output_parser`) and format it in the API's shape (`responses`,
-`anthropic_responses`); a call placed on a peer node is forwarded there (`peer_forward`). Every
-error leaves as JSON in the API's shape (`http`).
+`/metrics` and the admin routes, at most `max_connections` requests at once (`limits`). A completion
+request is: authorize, read the body under `max_body_bytes` and `read_timeout_s`, parse
+(`openai_protocol`, `anthropic_protocol`), place (the routing `dispatcher` over the session-aware
+router), then drive the call as text (`generation`), parse the text into reasoning, content and
+tool calls (`output_parser`) and format it in the API's shape (`responses`, `anthropic_responses`);
+a call placed on a peer node is forwarded there (`peer_forward`). Every error leaves as JSON in the
+API's shape (`http`).
 
 Cancellation is the part to get right: a client that goes away must stop the call on the instance.
 Both kinds of response run under `CancelOnDisconnect`, which cancels the request's task on
-`http.disconnect`; the generation's `finally` then closes the instance stream.
+`http.disconnect`; the generation's `finally` then closes the instance stream. A client that stays
+but stops reading is disconnected after `send_timeout_s` (`limits`), and so cancelled the same way.
 
 Latency is the other part: a 1-token completion should cost the gateway well under 2 ms. So the app
 is plain Starlette (FastAPI's layers cost ~0.1 ms a call and nothing here used them), small bodies
@@ -23,12 +25,12 @@ bookkeeping (lease, continuity, metrics) runs, with nothing else on the loop in 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -41,7 +43,8 @@ from talaria.contracts.call import InstanceCall
 from talaria.gateway.admin import admin_routes
 from talaria.gateway.anthropic_protocol import parse_messages
 from talaria.gateway.anthropic_responses import MessageFormat
-from talaria.gateway.errors import AUTHENTICATION, SERVER_ERROR, APIError
+from talaria.gateway.auth import Keys, cache_namespace
+from talaria.gateway.errors import SERVER_ERROR, APIError
 from talaria.gateway.generation import TextGeneration
 from talaria.gateway.http import (
     CLIENT_CLOSED,
@@ -51,6 +54,7 @@ from talaria.gateway.http import (
     instance_error,
     read_json,
 )
+from talaria.gateway.limits import ConnectionLimit
 from talaria.gateway.metrics import GatewayMetrics
 from talaria.gateway.openai_protocol import Endpoint, ParsedRequest, parse_request
 from talaria.gateway.output_parser import Content, parse
@@ -92,10 +96,11 @@ def create_app(
         Route("/metrics", gateway.metrics_page, methods=["GET"]),
         Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
-        *admin_routes(gateway, read_json),
+        *admin_routes(gateway, partial(read_json, timeout_s=gateway.config.server.read_timeout_s)),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(RequestCounter, metrics=gateway.metrics)],
-                    exception_handlers=error_handlers())
+    middleware = [Middleware(RequestCounter, metrics=gateway.metrics),  # outermost: it counts the limit's 503s
+                  Middleware(ConnectionLimit, limit=gateway.config.server.max_connections)]
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=error_handlers())
     app.state.gateway = gateway
     return app
 
@@ -107,6 +112,7 @@ class Gateway:
                  wall_clock: Callable[[], float], new_id: Callable[[], str]) -> None:
         self.supervisor = supervisor
         self.config = supervisor.config
+        self.keys = Keys(self.config.server)
         self.dispatcher = Dispatcher(supervisor, self.config.router, clock)
         self.dispatcher.peers = [PeerLink(p, self.dispatcher.router, clock, self.config.router.heartbeat_s)
                                  for p in self.config.router.peers]
@@ -149,7 +155,7 @@ class Gateway:
     async def count_tokens(self, request: Request) -> JSONResponse:
         """Anthropic's token count: the prompt a Messages request would make, tools and system included."""
         self.authorize(request)
-        body = await read_json(request, self.config.server.max_body_bytes)
+        body = await read_json(request, self.config.server.max_body_bytes, timeout_s=self.config.server.read_timeout_s)
         parsed = await self._parse(request, Endpoint.MESSAGES, body, count_only=True)
         return JSONResponse({"input_tokens": len(parsed.prompt_token_ids)})
 
@@ -167,21 +173,22 @@ class Gateway:
         arrival, arrival_wall = self._clock(), self._wall_clock()
         request_id = f"{ID_PREFIX[endpoint]}{self._new_id()}"
         request.state.request_id = request_id
-        self.authorize(request)
-        body = await read_json(request, self.config.server.max_body_bytes)
+        tenant = self.authorize(request)
+        body = await read_json(request, self.config.server.max_body_bytes, timeout_s=self.config.server.read_timeout_s)
         parsed = await self._parse(request, endpoint, body)
+        namespace = cache_namespace(tenant, parsed.cache_salt)
         session, chain, inferred = self.dispatcher.session(parsed.model, parsed.session_id, parsed.messages,
-                                                           parsed.prompt_token_ids)
+                                                           parsed.prompt_token_ids, namespace)
         local = request.headers.get(FORWARDED_HEADER) is not None  # a peer sent it: serve it here
         route = RouteRequest(parsed.model, session, len(parsed.prompt_token_ids), parsed.sampling.max_tokens,
-                             request_id)
+                             request_id, tenant)
         placement = await self.dispatcher.place(route, chain, inferred, parsed.messages is not None,
                                                 parsed.prompt_token_ids, local)
         if placement.peer is not None:
-            return await forward(placement.peer, request, body, session, self.dispatcher, placement)
+            return await forward(placement.peer, request, body, session, self.dispatcher, placement, tenant)
         group = placement.group
         call = InstanceCall(request_id, parsed.model, parsed.prompt_token_ids, parsed.sampling,
-                            session, enqueue_time=arrival)
+                            session, enqueue_time=arrival, cache_salt=namespace)
         gen = TextGeneration(group, call, self.supervisor.tokenizer(parsed.model), parsed.stop, self._clock)
         gen.placement = placement
         if endpoint is Endpoint.MESSAGES:
@@ -257,17 +264,6 @@ class Gateway:
             self.metrics.observe_call(parsed.model, gen.group.name, arrival, gen.first_token_at, gen.finished_at,
                                       gen.usage)
 
-    def authorize(self, request: Request) -> None:
-        """The configured key, as `Authorization: Bearer <key>` (OpenAI's way) or `x-api-key` (Anthropic's)."""
-        key = self.config.server.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
-        if not token:
-            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
-                           "(or 'x-api-key: <key>').", AUTHENTICATION, None, "missing_api_key",
-                           {"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.encode(), key.encode()):
-            raise APIError(401, "Incorrect API key provided.", AUTHENTICATION, None, "invalid_api_key",
-                           {"WWW-Authenticate": "Bearer"})
+    def authorize(self, request: Request) -> str:
+        """The tenant a `/v1` call is made for (talaria/gateway/auth.py); a 401 without a valid key."""
+        return self.keys.tenant(request)

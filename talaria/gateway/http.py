@@ -1,10 +1,11 @@
-"""The gateway's HTTP plumbing: bounded JSON bodies, responses that run bookkeeping once sent, the
-request counter, and every failure turned into the error shape its API speaks (OpenAI's, or
-Anthropic's on the Messages API).
+"""The gateway's HTTP plumbing: bounded JSON bodies (in size and in time), responses that run
+bookkeeping once sent, the request counter, and every failure turned into the error shape its API
+speaks (OpenAI's, or Anthropic's on the Messages API).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -82,8 +83,10 @@ class RequestCounter:
             self.metrics.count_request(path if path in COUNTED_PATHS else "other", status)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing more than `limit` bytes whatever Content-Length claims."""
+async def read_json(request: Request, limit: int, *, timeout_s: float) -> Any:
+    """The body as JSON, refusing more than `limit` bytes whatever Content-Length claims (413), and a
+    body not whole within `timeout_s` seconds (408; 0: no deadline). Handlers call it first thing,
+    so the deadline runs from the request's headers."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -93,13 +96,19 @@ async def read_json(request: Request, limit: int) -> Any:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
+        # one deadline over the whole body, not per chunk: a byte a second must not keep it alive
+        async with asyncio.timeout(timeout_s or None) as deadline:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(CLIENT_CLOSED, "client closed the request") from None
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        raise _too_slow(timeout_s, size) from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError.invalid("the request body is empty; send a JSON object")
@@ -151,6 +160,17 @@ def _too_large(limit: int) -> APIError:
                     None, "request_too_large")
 
 
+def _too_slow(timeout_s: float, size: int) -> APIError:
+    # closing the connection: the rest of the body would otherwise still be read, and the socket held
+    return APIError(408, f"the request body did not arrive within {timeout_s:g} s (server.read_timeout_s; "
+                    f"{size} bytes came)", INVALID_REQUEST, None, "request_timeout", {"Connection": "close"})
+
+
+def shaped(error: APIError, path: str) -> dict[str, Any]:
+    """`error`'s body in the shape of the API at `path`: Anthropic's under /v1/messages, else OpenAI's."""
+    return error_body(error) if path.startswith(MESSAGES_API) else error.body()
+
+
 def instance_error(e: Exception, request_id: str) -> APIError:
     if isinstance(e, InstanceUnavailable):
         log.info("%s: 503: %s", request_id, e)
@@ -171,8 +191,7 @@ def _error_response(request: Request, error: APIError) -> JSONResponse:
     headers = dict(error.headers)
     if request_id:
         headers["x-request-id"] = request_id
-    body = error_body(error) if request.url.path.startswith(MESSAGES_API) else error.body()
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    return JSONResponse(shaped(error, request.url.path), status_code=error.status, headers=headers)
 
 
 def error_handlers() -> dict:

@@ -78,6 +78,7 @@ class ParsedRequest:
     tool_format: ToolParser | None = None  # parse tool calls of this format out of the output (None: don't)
     reasoning: bool = False  # the output starts with <think>...</think>: returned as reasoning_content
     messages: list[dict[str, Any]] | None = None  # a chat call's conversation (what session inference hashes)
+    cache_salt: str | None = None  # body `cache_salt` (vLLM's): its prefixes are shared only with equal salts
 
     def output_parser(self) -> OutputParser | None:
         """A fresh parser for this call's output; None when the output is plain text."""
@@ -178,7 +179,14 @@ def parse_request(
         grammar=grammar,
     )
     return ParsedRequest(endpoint, model, prompt_ids, sampling, stream, include_usage, stops, session_id,
-                         tool_format, reasoning, messages)
+                         tool_format, reasoning, messages, cache_salt(f))
+
+
+def cache_salt(f: Fields) -> str | None:
+    salt = f.string("cache_salt")
+    if salt is not None and len(salt) > MAX_SESSION_ID_CHARS:
+        raise APIError.invalid(f"cache_salt must be at most {MAX_SESSION_ID_CHARS} characters", "cache_salt")
+    return salt
 
 
 def _reject_unsupported(f: Fields, endpoint: Endpoint) -> None:

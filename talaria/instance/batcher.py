@@ -119,7 +119,7 @@ class Batcher:
         n = min(seq.num_uncomputed, budget)
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:start + n]), start,
                         tuple(seq.page_table), start + n == len(seq.token_ids),
-                        tuple(seq.token_ids[:start]) if admitted else (), decode)
+                        tuple(seq.token_ids[:start]) if admitted else (), decode, seq.root)
 
     def reusable(self, seq: Sequence) -> tuple[int, int]:
         """(device pages, host pages) of `seq`'s prompt prefix this instance holds: no side effects."""
@@ -212,7 +212,7 @@ class Batcher:
         self.preemptions += 1
 
     def _hash_chain(self, seq: Sequence) -> list[int]:
-        return self.pages.extend_chain(self._hashes.setdefault(seq.seq_id, []), seq.token_ids)
+        return self.pages.extend_chain(self._hashes.setdefault(seq.seq_id, []), seq.token_ids, seq.root)
 
     # ---- results ---------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from talaria.instance.round_scheduler import RoundScheduler
 from talaria.instance.rounds import Switch
 from talaria.instance.sequence import SeqStatus, Sequence
 from talaria.memory.host_kv_registry import RankReport
+from talaria.memory.page_manager import chain_root
 
 MAX_SESSIONS_SHOWN = 256  # recent sessions whose KV location telemetry reports
 MAX_SESSIONS_KNOWN = 100_000  # sessions remembered as served here (SP admits only their continuations)
@@ -83,7 +84,7 @@ class Scheduler:
         batcher = self.batchers.get(call.model)
         if batcher is None:
             return [self._error(call.request_id, f"instance {self.instance} does not serve {call.model!r}")]
-        seq = Sequence(next(self._ids), call, list(call.prompt_token_ids), self.clock())
+        seq = Sequence(next(self._ids), call, list(call.prompt_token_ids), self.clock(), root=chain_root(call.cache_salt))
         batcher.add(seq)
         if seq.status is SeqStatus.FINISHED:
             pages = batcher.pages

@@ -36,6 +36,7 @@ class Sequence:
     last_token_at: float | None = None
     admitted_once: bool = False
     page_hashes: tuple[int, ...] = ()  # cumulative hashes of its computed full pages, set when it leaves
+    root: int = 0  # where its page-hash chain starts: chain_root(call.cache_salt)
 
     @property
     def model(self) -> str:

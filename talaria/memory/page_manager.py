@@ -35,6 +35,14 @@ def page_hash(parent: int, tokens: Seq[int], page_size: int) -> int:
 ROOT_HASH = 0
 
 
+def chain_root(salt: str | None) -> int:
+    """Where a call's page-hash chain starts: ROOT_HASH, or one of its own for a salted call (a
+    tenant, a `cache_salt`), so that prefixes are shared only among calls of the same salt."""
+    if not salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8, person=b"talaria-salt").digest(), "little")
+
+
 class PageManager:
     """Pages of one model's KV pool: allocation, ref counts, DMA pins and the prefix cache.
 
@@ -93,11 +101,12 @@ class PageManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def extend_chain(self, chain: list[int], tokens: Seq[int]) -> list[int]:
-        """Extend `chain` in place to the cumulative hashes of every full page of `tokens`."""
+    def extend_chain(self, chain: list[int], tokens: Seq[int], root: int = ROOT_HASH) -> list[int]:
+        """Extend `chain` in place to the cumulative hashes of every full page of `tokens`; an empty
+        chain starts from `root` (`chain_root`)."""
         ps = self.page_size
         for i in range(len(chain), len(tokens) // ps):
-            chain.append(page_hash(chain[-1] if chain else ROOT_HASH, tokens[i * ps:(i + 1) * ps], ps))
+            chain.append(page_hash(chain[-1] if chain else root, tokens[i * ps:(i + 1) * ps], ps))
         return chain
 
     def match_prefix(self, chain: Seq[int]) -> list[int]:

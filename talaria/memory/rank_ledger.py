@@ -28,11 +28,15 @@ class RankLedger:
         self.rank = rank
         self._pages = PageManager(0, page_size)  # only for its hash chain arithmetic
         self._tokens: dict[int, list[int]] = {}
+        self._roots: dict[int, int] = {}
         self._fault = fault if fault is not None and fault.rank == rank else None
 
-    def record(self, seq_id: int, start_pos: int, token_ids: tuple[int, ...], prefix: tuple[int, ...] = ()) -> None:
+    def record(self, seq_id: int, start_pos: int, token_ids: tuple[int, ...], prefix: tuple[int, ...] = (),
+               root: int = 0) -> None:
         """This rank wrote KV for token_ids at positions start_pos.. (a recompute rewrites them);
-        `prefix`, on admission, is what it reused for [0, start_pos) from its cache or host slabs."""
+        `prefix`, on admission, is what it reused for [0, start_pos) from its cache or host slabs;
+        `root`: where the sequence's page-hash chain starts."""
+        self._roots[seq_id] = root
         tokens = self._tokens.setdefault(seq_id, [])
         if prefix:
             tokens[:] = prefix
@@ -42,7 +46,7 @@ class RankLedger:
     def report(self, seq_id: int) -> RankReport:
         tokens = self._tokens.get(seq_id, [])
         committed = len(tokens)
-        chain = self._pages.extend_chain([], tokens)
+        chain = self._pages.extend_chain([], tokens, self._roots.get(seq_id, 0))
         if self._fault is not None:
             committed = max(0, committed - self._fault.shorten_tokens)
             if self._fault.corrupt_page is not None and self._fault.corrupt_page < len(chain):
@@ -51,3 +55,4 @@ class RankLedger:
 
     def forget(self, seq_id: int) -> None:
         self._tokens.pop(seq_id, None)
+        self._roots.pop(seq_id, None)

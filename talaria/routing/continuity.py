@@ -60,15 +60,22 @@ def canonical(message: Mapping[str, Any]) -> bytes:
     return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
 
 
+def namespaced(root: int, namespace: str | None) -> int:
+    """`root` for the conversations of one namespace (a tenant and its cache salt): chains of
+    different namespaces share no key, so no conversation is ever recognised across them."""
+    return root if not namespace else _step(root, b"namespace:" + namespace.encode())
+
+
 def extend_chain(last: int | None, message: Mapping[str, Any]) -> int:
     """One step of `message_chain`: the hash of the conversation `last` followed by `message`."""
     return _step(MESSAGE_ROOT if last is None else last, canonical(message))
 
 
-def message_chain(messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Cumulative hashes of a chat conversation, one per message: entry k covers messages[:k+1]."""
+def message_chain(messages: Sequence[Mapping[str, Any]], root: int | None = None) -> list[int]:
+    """Cumulative hashes of a chat conversation, one per message: entry k covers messages[:k+1].
+    `root`: a namespace's (`namespaced`), default MESSAGE_ROOT."""
     chain: list[int] = []
-    last: int | None = None
+    last: int | None = root
     for m in messages:
         last = extend_chain(last, m)
         chain.append(last)

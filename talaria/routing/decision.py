@@ -31,6 +31,7 @@ class RouteRequest:
     prompt_tokens: int
     max_tokens: int
     request_id: str = ""
+    tenant: str = "default"  # whose call (talaria/gateway/auth.py): overload = "sessions" sheds fairly among tenants
 
 
 @dataclass(slots=True)

@@ -23,9 +23,12 @@ from talaria.contracts.instance_handle import InstanceHandle
 from talaria.node.errors import InstanceUnavailable
 from talaria.routing.continuity import (
     DEFAULT_PAGE,
+    MESSAGE_ROOT,
+    TOKEN_ROOT,
     ContinuityIndex,
     extend_chain,
     message_chain,
+    namespaced,
     new_session_id,
     token_chain,
 )
@@ -33,12 +36,13 @@ from talaria.routing.decision import RouteDecision, RouteRequest
 from talaria.routing.errors import RETRY_AFTER_S, Overloaded
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.router import Router
+from talaria.routing.shedding import SessionShedding
 
 if TYPE_CHECKING:
     from talaria.node.node_handle import NodeHandle
     from talaria.routing.peers import PeerLink
 
-QUEUE_POLL_S = 0.05  # overload = "queue": how often a held call asks the router again
+QUEUE_POLL_S = 0.05  # a held call (overload = "queue" or "sessions") asks the router again this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,7 @@ class Dispatcher:
         self.clock = clock
         self.router = Router(config, clock, self._emit)
         self.continuity = ContinuityIndex(clock, config.session_ttl_s, config.max_sessions)
+        self.shedding = SessionShedding(clock, config.session_ttl_s, config.max_sessions)
         self.peers: list[PeerLink] = []
         self._models = {inst.name: inst.models for inst in node.config.instances}
         self._queued = 0
@@ -82,13 +87,17 @@ class Dispatcher:
     # ---- sessions ---------------------------------------------------------------------------
 
     def session(self, model: str, session_id: str | None, messages: Sequence[Any] | None,
-                prompt_ids: Sequence[int]) -> tuple[str, tuple[int, ...], bool]:
+                prompt_ids: Sequence[int], namespace: str | None = None) -> tuple[str, tuple[int, ...], bool]:
         """(session id, conversation chain, inferred?): the client's id, else continuity, else new.
         `messages`: a chat call's message list (its conversation is recognised by them), None for a
-        token prompt (recognised by its tokens)."""
+        token prompt (recognised by its tokens). `namespace`: the call's tenant and cache salt (None
+        for the default tenant unsalted): ids and conversations of other namespaces are never its."""
         if session_id is not None:
-            return session_id, (), False
-        chain = message_chain(messages) if messages is not None else token_chain(prompt_ids)
+            return (f"{namespace}/{session_id}" if namespace else session_id), (), False
+        if messages is not None:
+            chain = message_chain(messages, namespaced(MESSAGE_ROOT, namespace))
+        else:
+            chain = token_chain(prompt_ids, after=namespaced(TOKEN_ROOT, namespace))
         found = self.continuity.lookup(model, chain)
         return found or new_session_id(), tuple(chain), True
 
@@ -100,24 +109,27 @@ class Dispatcher:
         Overloaded when the overload policy turns the call away."""
         self.sync()
         decision = self.router.route(req, local)
-        if decision.instance is None and self.config.overload is Overload.QUEUE:
-            decision = await self._wait(req, local)
         if decision.instance is None and not any(v.healthy and req.model in v.models
                                                  for v in self.router.views.values()):
             names = ", ".join(v.name for v in self.router.views.values() if req.model in v.models)
             raise InstanceUnavailable(f"no healthy instance serves model {req.model!r} right now "
                                       f"({names or 'none configured'}); retry shortly")
+        if decision.instance is None and (self.config.overload is Overload.QUEUE or (
+                self.config.overload is Overload.SESSIONS and self.shedding.waits(req.session, req.tenant))):
+            decision = await self._wait(req, local)
         if decision.instance is None:
             raise Overloaded(f"every instance serving {req.model!r} is at capacity; retry in {RETRY_AFTER_S} s")
         view = self.router.views[decision.instance]
         self.router.sent(view.name)
+        self.shedding.admitted(req.session, req.tenant)
         if view.node is None:
             group = next(g for g in self.node.groups if g.name == view.name)
             return Placement(req, decision, group, None, tuple(chain), inferred, chat, prompt_ids)
         peer = next(p for p in self.peers if p.url == view.node)
         return Placement(req, decision, None, peer, tuple(chain), inferred, chat, prompt_ids)
     async def _wait(self, req: RouteRequest, local: bool) -> RouteDecision:
-        """overload = "queue": hold the call (bounded) and ask again until an instance admits it."""
+        """overload = "queue" (any call) or "sessions" (a call it keeps): hold the call (bounded) and
+        ask again until an instance admits it."""
         if self._queued >= self.config.max_queued:
             return RouteDecision(None, self.router.route(req, local).reason, overload="queue-full")
         self._queued += 1

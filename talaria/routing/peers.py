@@ -3,17 +3,29 @@
 Each `[[router.peers]]` entry gets a `PeerLink`. On every heartbeat it reads the peer's
 `GET /talaria/telemetry` (a `NodeTelemetry` envelope) and mirrors each remote instance into the
 router as an `InstanceView` named `HOST:PORT/INSTANCE` with `node` set to the peer's URL: snapshot,
-health and cost profile, so remote instances are ranked by the same cost model as local ones. A peer
-that does not answer has its instances marked unhealthy (live leases there are then discarded, not
-honoured). A call placed on a remote instance is forwarded by the gateway
-(`talaria/gateway/peer_forward.py`) over this link's HTTP client.
+health and cost profile, so remote instances are ranked by the same cost model as local ones. A call
+placed on a remote instance is forwarded by the gateway (`talaria/gateway/peer_forward.py`) over this
+link's HTTP client.
+
+A heartbeat that fails in any way marks what it could not read unhealthy, so it gets no placements
+(live leases there are discarded, not honoured): the whole peer for no answer, a timeout, an error
+status, or a body that is not JSON or not a telemetry envelope; one instance for an entry whose
+values do not have the telemetry types (a newer or foreign writer), an exception while mirroring
+it, or its absence from the answer. The heartbeat never stops on a bad answer, and the next good
+one restores them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
+import math
+import types
 from collections.abc import Callable
+from enum import Enum
+from typing import Any, Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,9 +41,13 @@ log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 2.0
 CALL_TIMEOUT_S = httpx.Timeout(10.0, read=None)  # a long generation streams for minutes
+_ROUTED = {"kv_tokens": int, "location": str, "staging_coverage": float}  # in the snapshot's untyped dicts
 
 
 class PeerLink:
+    """One peer: the heartbeat that mirrors its instances into the router, and the HTTP client that
+    calls forwarded to it go through."""
+
     def __init__(self, peer: PeerConfig, router: Router, clock: Callable[[], float], heartbeat_s: float) -> None:
         self.url = peer.url.rstrip("/")
         self.peer = peer
@@ -42,6 +58,7 @@ class PeerLink:
         self._profiles: dict[str, Profile] = {}  # TOML text -> parsed
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
+        self._failing: str | None = None  # why the last heartbeat failed; None when it was read
 
     @property
     def headers(self) -> dict[str, str]:
@@ -64,24 +81,39 @@ class PeerLink:
             await asyncio.sleep(self.heartbeat_s)
 
     async def refresh(self) -> None:
-        """Mirror the peer's instances into the router; on failure mark them unhealthy."""
+        """Mirror the peer's instances into the router. Never raises: every view of this peer that
+        the answer does not bring, healthy and readable, is marked unhealthy (no placements)."""
+        mirrored = set()
         try:
             r = await self._client.get(self.url + "/talaria/telemetry", headers=self.headers, timeout=FETCH_TIMEOUT_S)
             r.raise_for_status()
-            body = NodeTelemetry.from_dict(r.json())
-        except (httpx.HTTPError, TypeError, ValueError) as e:
-            log.debug("peer %s: telemetry failed: %s", self.url, e)
-            for view in self.router.views.values():
-                if view.node == self.url:
-                    view.healthy = False
-            return
-        now = self.clock()
-        for name, entry in body.instances.items():
-            self._mirror(name, entry, now, body.time)
-        for name in body.unreadable:  # an entry this version cannot read: place nothing there
-            view = self.router.views.get(f"{self.prefix}/{name}")
-            if view is not None:
+            body = _envelope(r.json())
+            now = self.clock()
+        except Exception as e:  # noqa: BLE001 -- whatever went wrong, nothing this peer sent is trusted
+            self._failed(f"{type(e).__name__}: {e}")
+        else:
+            for name, entry in body.instances.items():
+                try:
+                    self._mirror(name, entry, now, body.time)
+                    mirrored.add(f"{self.prefix}/{name}")
+                except Exception as e:  # noqa: BLE001 -- one entry costs only itself
+                    log.debug("peer %s: instance %s unreadable (%s: %s)", self.url, name, type(e).__name__, e)
+            if body.unreadable:
+                log.debug("peer %s: instance entries this version cannot read: %s", self.url, body.unreadable)
+            if self._failing is not None:
+                log.info("peer %s: telemetry read again", self.url)
+                self._failing = None
+        for view in self.router.views.values():
+            if view.node == self.url and view.name not in mirrored:
                 view.healthy = False
+
+    def _failed(self, why: str) -> None:
+        if self._failing is None:  # once per outage, not every heartbeat
+            log.warning("peer %s: telemetry unreadable, its instances get no calls until it answers (%s)",
+                        self.url, why)
+        else:
+            log.debug("peer %s: telemetry failed: %s", self.url, why)
+        self._failing = why
 
     def _mirror(self, name: str, entry: InstanceTelemetry, now: float, their_now: float) -> None:
         """`their_now`: the peer's clock when it answered; a snapshot's age on its clock dates it on ours."""
@@ -105,3 +137,61 @@ class PeerLink:
     def client(self) -> httpx.AsyncClient:
         """The HTTP client calls forwarded to this peer go through (open between start and stop)."""
         return self._client
+
+
+def _envelope(data: Any) -> NodeTelemetry:
+    """A peer's telemetry body read back. Raises TypeError when it is not a telemetry envelope;
+    instance entries whose JSON does not fit the telemetry types are left out (`unreadable`)."""
+    if not isinstance(data, dict) or not isinstance(data.get("instances"), dict) or not _fits(data.get("time"), float):
+        raise TypeError('not a Talaria telemetry body: expected an object with a "time" number and an '
+                        '"instances" object')
+    fitting = {name: entry for name, entry in data["instances"].items()
+               if _fits(entry, InstanceTelemetry) and _routable(entry["stats"])}
+    body = NodeTelemetry.from_dict({**data, "instances": fitting})
+    unreadable = tuple(name for name in data["instances"] if name not in body.instances)
+    return dataclasses.replace(body, unreadable=unreadable)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """`value`, as JSON decoded it, can stand for a field of type `hint` in the telemetry dataclasses:
+    an object for a dataclass (its fields without defaults present, unknown keys ignored), a list
+    for a tuple, an Enum's value for the Enum, a finite number for an int or float. So a routing
+    decision never meets a string where it computes with a number."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union or origin is types.UnionType:
+        return any(_fits(value, a) for a in args)
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int or hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if origin is tuple:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(v, args[1]) for v in value.values())
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return any(value == m.value for m in hint)
+    if dataclasses.is_dataclass(hint):
+        hints = _hints(hint)
+        return isinstance(value, dict) and all(
+            _fits(value[f.name], hints[f.name]) if f.name in value
+            else f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            for f in dataclasses.fields(hint))
+    return isinstance(value, hint)  # str, dict
+
+
+def _routable(stats: dict | None) -> bool:
+    """The values routing reads inside the snapshot's untyped dicts (its sessions, its substrate) have
+    their types too."""
+    if stats is None:
+        return True
+    entries = [*stats.get("sessions", ()), stats.get("substrate", {})]  # _fits checked these are dicts
+    return all(_fits(e[key], hint) for e in entries for key, hint in _ROUTED.items() if key in e)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)

@@ -266,7 +266,7 @@ def _why(e: Exception) -> str:
     if isinstance(e, httpx.HTTPStatusError):
         code = e.response.status_code
         if code in (401, 403):
-            return f"HTTP {code}: the node wants an API key; pass --api-key"
+            return f"HTTP {code}: the node wants its admin key; pass --api-key ADMIN_KEY"
         return f"HTTP {code} from {e.request.url.path}"
     if isinstance(e, httpx.ConnectError):
         return "cannot connect (is `talaria up` running there?)"

@@ -92,6 +92,17 @@ def test_files_flag_failure_prints_summary_then_problems(tmp_path: Path) -> None
     assert f'{path}: [[instances]] "cold-0": arena_bytes = 65536 (64 KiB) is too small' in result.stderr
 
 
+def test_a_plain_http_peer_on_another_machine_is_a_warning_not_a_problem(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(SYNTHETIC.format(arena="64MiB") + '\n[[router.peers]]\nurl = "http://10.0.0.2:8000"\n')
+    result = _run(str(path))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "OK"
+    assert result.stderr.splitlines() == [(f'{path}: [[router.peers]]: warning: url = "http://10.0.0.2:8000" is plain '
+                                          "http to another machine: the prompts forwarded there cross the network "
+                                          "unencrypted; use https://")]
+
+
 def test_help_explains_the_two_stages() -> None:
     result = _run("--help")
     assert result.exit_code == 0

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from talaria.config.errors import ConfigError
-from talaria.config.loader import default_config_path, load_config, parse_config
+from talaria.config.loader import (
+    config_warnings,
+    default_config_path,
+    load_config,
+    parse_config,
+)
 from talaria.config.schema import Device, Pool, RouterPolicy
 from talaria.config.tables import parse_size
 
@@ -42,8 +47,8 @@ CASES = {
     "page_size_zero": ["page_size = 0 is out of range", "at least 1"],
     "max_running_zero": ["max_running = 0 is out of range", "at least 1"],
     "lease_negative": ["[router]", "lease_s = -0.5 is out of range", ">= 0"],
-    "tp_query_heads": ['[[instances]] "cold-0": tp = 4 does not divide the 9 query heads of model '
-                       '"tiny" and neither divides nor is a multiple of its 3 KV heads; use 1 or 3'],
+    "tp_query_heads": [('[[instances]] "cold-0": tp = 4 does not divide the 9 query heads of model '
+                       '"tiny" and neither divides nor is a multiple of its 3 KV heads; use 1 or 3')],
     "tp_kv_heads": ['tp = 6 neither divides nor is a multiple of the 4 KV heads of model "tiny"',
                     "use 1, 2, 4 or 12"],
     "tp_intermediate": ['tp = 4 does not divide the intermediate size 250 of model "tiny"', "use 1 or 2"],
@@ -145,6 +150,25 @@ def test_parse_config_without_a_path_says_config() -> None:
         parse_config(_minimal(instance="tp = 3\n"), None)
 
 
+@pytest.mark.parametrize("url, warned", [
+    ("http://10.0.0.2:8000", True), ("http://node-b.internal:8000", True), ("http://0.0.0.0:8000", True),
+    ("http://[fe80::1]:8000", True), ("https://10.0.0.2:8000", False), ("http://127.0.0.1:8001", False),
+    ("http://127.9.9.9:8001", False), ("http://localhost:8001", False), ("http://[::1]:8001", False),
+])
+def test_a_plain_http_peer_on_another_machine_is_warned_about(url: str, warned: bool) -> None:
+    cfg = parse_config(_minimal() + f'\n[[router.peers]]\nurl = "{url}"\napi_key = "k"\n', Path("t.toml"))
+    expected = [(f't.toml: [[router.peers]]: warning: url = "{url}" is plain http to another machine: its api_key '
+                "and the prompts forwarded there cross the network unencrypted; use https://")]
+    assert config_warnings(cfg) == (expected if warned else [])
+
+
+def test_the_http_warning_names_the_key_only_when_there_is_one() -> None:
+    cfg = parse_config(_minimal() + '\n[[router.peers]]\nurl = "http://10.0.0.2:8000"\n', None)
+    assert config_warnings(cfg) == [('<config>: [[router.peers]]: warning: url = "http://10.0.0.2:8000" is plain http '
+                                    "to another machine: the prompts forwarded there cross the network unencrypted; "
+                                    "use https://")]
+
+
 def test_shipped_default_is_valid_and_runs_on_a_small_cpu_box() -> None:
     cfg = load_config(default_config_path())
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
@@ -157,6 +181,7 @@ def test_shipped_default_is_valid_and_runs_on_a_small_cpu_box() -> None:
     assert set(cold.models) == {"tiny-llama", "tiny-qwen3"}
     assert all(i.device is Device.CPU for i in cfg.instances)
     assert (cfg.router.lease_s, cfg.router.policy) == (1.0, RouterPolicy.FULL)
+    assert config_warnings(cfg) == []
 
 
 def test_top_level_talaria_toml_is_the_embedded_default() -> None:

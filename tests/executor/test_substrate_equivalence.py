@@ -63,7 +63,9 @@ def test_switches_restore_every_session_from_host_tp1(three):
     assert [e.t for e in events] == sorted(e.t for e in events)
 
 
-def test_switches_restore_every_session_from_host_tp2(three):
+@pytest.mark.parametrize("salt", [None, "team-a|5f1c0b2a"], ids=["unsalted", "salted"])
+def test_switches_restore_every_session_from_host_tp2(three, salt):
+    """With a tenant's salt too: every rank's ledger hashes from the salted root, so the ranks agree."""
     files, refs = three
     prompts = sessions(files, seed=1)
 
@@ -72,7 +74,8 @@ def test_switches_restore_every_session_from_host_tp2(three):
         await group.start()
         try:
             async def call(f, rid, prompt):
-                outs = [o async for o in group.generate(InstanceCall(rid, f.name, tuple(prompt), GREEDY))]
+                outs = [o async for o in group.generate(InstanceCall(rid, f.name, tuple(prompt), GREEDY,
+                                                                     cache_salt=salt))]
                 return [t for o in outs for t in o.token_ids], outs[-1].usage
             first = {}
             for f in files:
@@ -123,3 +126,22 @@ def test_staging_target_is_the_next_model_in_slot_order_or_set_explicitly(three)
     out = run(core, [InstanceCall("q3", files[2].name, tuple(prompt), GREEDY)])["q3"]
     assert core.stats().last_switch["path"] in ("full_d2d", "partial")  # some of it came device-to-device
     assert tokens(out) == refs[files[2].name].greedy(prompt, GREEDY.max_tokens)
+
+
+def test_a_salted_prefix_is_shared_only_with_calls_of_the_same_salt(three):
+    """Tenants (and `cache_salt`) never hit each other's cached pages; each hits its own; tokens
+    equal the reference either way."""
+    files, refs = three
+    core = engine(files[:1], **SUBSTRATE)
+    name, prompt = files[0].name, tuple(range(3, 40))
+
+    def cached(rid: str, salt: str | None) -> int:
+        out = run(core, [InstanceCall(rid, name, prompt, GREEDY, cache_salt=salt)])[rid]
+        assert tokens(out) == refs[name].greedy(list(prompt), GREEDY.max_tokens)
+        return out[-1].usage.cached_tokens
+
+    full = (len(prompt) - 1) // 4 * 4  # every full page but the one holding the last prompt token
+    assert cached("a1", "team-a") == 0
+    assert cached("b1", "team-b") == 0  # the same prompt, another tenant: no hit
+    assert cached("n1", None) == 0  # nor for the unsalted default tenant
+    assert (cached("a2", "team-a"), cached("b2", "team-b"), cached("n2", None)) == (full, full, full)

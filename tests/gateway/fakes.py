@@ -144,11 +144,11 @@ class FakeEchoSupervisor:
 
     def __init__(self, groups: list[FakeEchoGroup] | None = None, *, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, router: RouterConfig | None = None,
-                 max_position: int = 128) -> None:
+                 max_position: int = 128, server: ServerConfig | None = None) -> None:
         self.groups = groups if groups is not None else [FakeEchoGroup("hot0")]
         self.config = TalariaConfig(
             path=None,
-            server=ServerConfig(api_key=api_key, max_body_bytes=max_body_bytes),
+            server=server or ServerConfig(api_key=api_key, max_body_bytes=max_body_bytes),
             models=(ModelConfig(MODEL, "synthetic:"),),
             instances=tuple(g.config for g in self.groups),
             router=router or RouterConfig(policy=RouterPolicy.LEAST_PRESSURE),  # fakes carry no cost profile

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 from starlette.testclient import TestClient
 
+from talaria.config.schema import ApiKeyConfig, ServerConfig
 from talaria.contracts.call import InstanceReady
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.profile_file import parse_profile
@@ -21,8 +22,9 @@ from tests.routing.test_router import PROFILE, snapshot
 PROFILE_ECHO = PROFILE.with_model(dataclasses.replace(PROFILE.models["m"], name=MODEL))
 
 
-def client_for(node: FakeEchoSupervisor) -> TestClient:
-    return TestClient(create_app(node, clock=lambda: 7.5), raise_server_exceptions=False)
+def client_for(node: FakeEchoSupervisor, host: str = "127.0.0.1") -> TestClient:
+    """A client from `host`: without an admin or peer key, the admin routes answer loopback only."""
+    return TestClient(create_app(node, clock=lambda: 7.5), raise_server_exceptions=False, client=(host, 50000))
 
 
 @pytest.fixture
@@ -72,9 +74,33 @@ def test_a_forced_switch_names_what_is_wrong(node, body, status, param):
         assert int(r.headers["retry-after"]) > 0
 
 
-def test_admin_endpoints_need_the_key_when_one_is_set():
-    node = FakeEchoSupervisor(api_key="sekrit")
-    client = client_for(node)
-    for method, path in (("GET", "/talaria/telemetry"), ("GET", "/talaria/events"), ("POST", "/talaria/admin/switch")):
+ADMIN_PATHS = (("GET", "/talaria/events"), ("POST", "/talaria/admin/switch"))
+KEYS = ServerConfig(api_keys=(ApiKeyConfig("user-a", "team-a"),), admin_key="adm", peer_key="peer")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_admin_endpoints_need_the_admin_key_and_telemetry_the_admin_or_peer_key():
+    client = client_for(FakeEchoSupervisor(server=KEYS))
+    for method, path in (*ADMIN_PATHS, ("GET", "/talaria/telemetry")):
         assert client.request(method, path).status_code == 401
-    assert client.get("/talaria/telemetry", headers={"authorization": "Bearer sekrit"}).status_code == 200
+        user = client.request(method, path, headers=bearer("user-a"))
+        assert user.status_code == 403 and user.json()["error"]["type"] == "permission_error"
+    for method, path in ADMIN_PATHS:
+        assert client.request(method, path, headers=bearer("peer")).status_code == 403
+    assert client.post("/talaria/admin/switch", headers=bearer("adm"), json={}).status_code == 400  # past the gate
+    for key in ("adm", "peer"):
+        assert client.get("/talaria/telemetry", headers=bearer(key)).status_code == 200
+    assert client.get("/v1/models", headers=bearer("user-a")).status_code == 200
+    assert client.get("/v1/models", headers=bearer("adm")).status_code == 401  # the admin key is no user key
+
+
+def test_without_admin_or_peer_key_the_admin_endpoints_answer_loopback_only():
+    node = FakeEchoSupervisor(api_key="sekrit")
+    away = client_for(node, host="10.1.2.3")
+    for method, path in (*ADMIN_PATHS, ("GET", "/talaria/telemetry")):
+        denied = away.request(method, path, headers=bearer("sekrit"))  # a user key changes nothing
+        assert denied.status_code == 403 and denied.json()["error"]["code"] == "loopback_only"
+    assert client_for(node).get("/talaria/telemetry").status_code == 200

@@ -139,3 +139,40 @@ def test_a_failed_call_releases_its_slot_without_a_lease():
     placement = place(d, request("s9"))
     d.finished(placement, None, None, ())
     assert d.router.leases.get("s9", MODEL) is None
+
+
+def test_sessions_overload_holds_admitted_sessions_and_sheds_new_ones_fairly():
+    clock = Clock()
+    group = FakeEchoGroup("hot0")
+    ready(group)
+    d, _ = dispatcher(group, clock=clock)  # overload = "sessions", the default
+
+    def call(session: str, tenant: str) -> RouteRequest:
+        return RouteRequest(MODEL, session, 40, 4, "r", tenant)
+
+    for i in range(3):  # team-a's sessions are admitted while there is room
+        place(d, call(f"a{i}", "team-a"))
+        d.router.finished("hot0")
+    versions = iter(range(2, 100))
+    ready(group, version=next(versions), waiting=10_000)  # now full: no call is admitted
+
+    async def held(req: RouteRequest) -> bool:
+        """Whether the call waits for room (rather than being shed), then is placed once there is some."""
+        task = asyncio.create_task(d.place(req, (), False, True, tuple(range(40))))
+        await asyncio.sleep(0.12)
+        if task.done():
+            task.exception()
+            return False
+        ready(group, version=next(versions))  # room again
+        await task
+        d.router.finished("hot0")
+        ready(group, version=next(versions), waiting=10_000)
+        return True
+
+    with pytest.raises(Overloaded):  # team-a holds every active session: its new one is shed
+        place(d, call("a-new", "team-a"))
+    assert asyncio.run(held(call("a1", "team-a")))  # a session already admitted waits for room
+    assert asyncio.run(held(call("b-new", "team-b")))  # team-b has no share yet: its new session is kept
+    assert d.shedding.waits("a0", "team-a") and not d.shedding.waits("a-other", "team-a")
+    clock.now += 10_000  # past session_ttl_s: forgotten
+    assert not d.shedding.waits("a0", "team-a")
