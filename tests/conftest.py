@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -122,6 +123,18 @@ def start_server(config: Path, log_path: Path, *extra: str) -> Server:
                              "--port", str(port), *extra],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return Server(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+@contextmanager
+def served(folder: Path, config: str) -> Iterator[Server]:
+    """A `talaria up` of its own on `config` (TOML text), healthy, stopped on leaving."""
+    (folder / "talaria.toml").write_text(config)
+    srv = start_server(folder / "talaria.toml", folder / "talaria.log")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

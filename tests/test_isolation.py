@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import Server, living, start_server, wait_for
+from tests.conftest import Server, living, served, wait_for
 from tests.test_lifecycle import SYNTHETIC_MODELS
 
 pytestmark = pytest.mark.slow
@@ -98,16 +98,10 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory) -> Node:
-    tmp = tmp_path_factory.mktemp("isolation")
-    (tmp / "talaria.toml").write_text(CONFIG)
-    srv = start_server(tmp / "talaria.toml", tmp / "talaria.log")
-    try:
-        srv.wait_healthy()
+    with served(tmp_path_factory.mktemp("isolation"), CONFIG) as srv:
         pids = srv.worker_pids()
         assert len(pids) == 3, pids
         yield Node(srv, {HOT: pids[:1], COLD: pids[1:]})
-    finally:
-        srv.stop()
 
 
 def restarts(server: Server) -> dict[str, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, wait_for
+from tests.conftest import Server, served, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,8 @@ PROMPT = "The tenants of this node share its instances but never each other's ca
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory) -> Server:
-    tmp = tmp_path_factory.mktemp("tenants")
-    (tmp / "talaria.toml").write_text(CONFIG)
-    srv = start_server(tmp / "talaria.toml", tmp / "talaria.log")
-    try:
-        srv.wait_healthy()
+    with served(tmp_path_factory.mktemp("tenants"), CONFIG) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def cached(node: Server, key: str, **extra) -> int:

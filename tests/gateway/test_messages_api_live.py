@@ -21,7 +21,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import Server, start_server
+from tests.conftest import Server, served
 
 pytestmark = pytest.mark.slow
 
@@ -115,14 +115,8 @@ max_batch_tokens = 8192
 
 @pytest.fixture(scope="module")
 def long_node(tmp_path_factory) -> Server:
-    folder = tmp_path_factory.mktemp("long")
-    (folder / "talaria.toml").write_text(CONFIG)
-    node = start_server(folder / "talaria.toml", folder / "talaria.log")
-    try:
-        node.wait_healthy()
+    with served(tmp_path_factory.mktemp("long"), CONFIG) as node:
         yield node
-    finally:
-        node.stop()
 
 
 def test_an_agent_request_of_real_shape_and_size_streams_well_formed(long_node):
