@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, wait_for
+from tests.conftest import Server, served, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +70,8 @@ LONG = {"model": MODEL, "prompt": "a", "max_tokens": STALL_TOKENS, "stream": Tru
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("limits")
-    (tmp / "talaria.toml").write_text(CONFIG)
-    srv = start_server(tmp / "talaria.toml", tmp / "talaria.log")
-    try:
-        srv.wait_healthy()
+    with served(tmp_path_factory.mktemp("limits"), CONFIG) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def in_flight(server: Server) -> int:

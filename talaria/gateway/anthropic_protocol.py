@@ -85,12 +85,8 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
 
 def _output_format(f: Fields) -> str | None:
     """`output_config.format` (structured outputs): a JSON schema the answer must follow, constrained."""
-    config = f.get("output_config")
-    if config is None:
-        return None
-    if not isinstance(config, dict):
-        raise APIError.invalid("output_config must be an object", "output_config")
-    fmt = config.get("format")
+    config = f.object("output_config")
+    fmt = config.get("format") if config is not None else None
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
@@ -101,11 +97,9 @@ def _output_format(f: Fields) -> str | None:
 
 
 def _session_of(f: Fields) -> str | None:
-    metadata = f.get("metadata")
+    metadata = f.object("metadata")
     if metadata is None:
         return None
-    if not isinstance(metadata, dict):
-        raise APIError.invalid("metadata must be an object", "metadata")
     user = metadata.get("user_id")
     if user is not None and not isinstance(user, str):
         raise APIError.invalid("metadata.user_id must be a string", "metadata.user_id")

@@ -32,6 +32,12 @@ class Fields:
             raise self._bad(name, "a non-empty string")
         return value
 
+    def object(self, name: str) -> dict[str, Any] | None:
+        value = self._data.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise self._bad(name, "an object")
+        return value
+
     def boolean(self, name: str, default: bool) -> bool:
         value = self._data.get(name)
         if value is None:

@@ -113,10 +113,8 @@ def parse_request(
     _reject_unsupported(f, endpoint)
     stream = f.boolean("stream", False)
     include_usage = False
-    options = f.get("stream_options")
+    options = f.object("stream_options")
     if options is not None:
-        if not isinstance(options, dict):
-            raise APIError.invalid("stream_options must be an object", "stream_options")
         if not stream:
             raise APIError.invalid("stream_options is only allowed when stream is true", "stream_options")
         include_usage = Fields(options, "stream_options.").boolean("include_usage", False)

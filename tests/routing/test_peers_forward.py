@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
+from typing import Any
 
 import pytest
 
@@ -89,22 +91,37 @@ async def post_then_leave(app, body: dict, client: Client, spec: str, key: str |
     await app(scope, receive, send)
 
 
+@contextmanager
+def forwarding_to(group: FakeEchoGroup, peer: ServerConfig | None = None, peer_key: str | None = None,
+                  node: ServerConfig | None = None) -> Iterator[Any]:
+    """Node A (no instances of its own) whose one peer, served on loopback, runs `group`."""
+    with serve_app(create_app(FakeEchoSupervisor([group], server=peer))) as peer_url:
+        router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE, peers=(PeerConfig(peer_url, peer_key),))
+        yield create_app(FakeEchoSupervisor([], router=router, server=node))
+
+
+@asynccontextmanager
+async def linked(app) -> AsyncIterator[None]:
+    """A's heartbeat to its peer running, and A's view of the peer fresh."""
+    link = app.state.gateway.dispatcher.peers[0]
+    link.start()
+    try:
+        await link.refresh()
+        yield
+    finally:
+        await link.stop()
+
+
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_leaving_cancels_the_forwarded_call_on_the_peer(stream: bool, spec: str):
     group = WatchedGroup("hot-b")
-    with serve_app(create_app(FakeEchoSupervisor([group]))) as peer_url:
-        router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE, peers=(PeerConfig(peer_url),))
-        app = create_app(FakeEchoSupervisor([], router=router))
+    with forwarding_to(group) as app:
         dispatcher = app.state.gateway.dispatcher
-
         client = Client()
 
         async def scenario() -> None:
-            link = dispatcher.peers[0]
-            link.start()
-            try:
-                await link.refresh()
+            async with linked(app):
                 call = asyncio.create_task(post_then_leave(app, {"model": MODEL, "prompt": "abc", "max_tokens": 50,
                                                                  "stream": stream}, client, spec))
                 assert await asyncio.to_thread(group.hanging.wait, WAIT_S), "the peer never got the call"
@@ -114,8 +131,6 @@ def test_a_client_leaving_cancels_the_forwarded_call_on_the_peer(stream: bool, s
                 client.gone.set()
                 await asyncio.wait_for(call, WAIT_S)
                 assert await asyncio.to_thread(group.ended.wait, WAIT_S), "the peer's call was never cancelled"
-            finally:
-                await link.stop()
         asyncio.run(scenario())
     assert group.closed == [group.calls[0].request_id] and group.completed == []
     assert group.in_flight == 0
@@ -129,21 +144,14 @@ def test_a_client_leaving_cancels_the_forwarded_call_on_the_peer(stream: bool, s
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forwarded_call_that_completes_is_relayed_and_leaves_a_lease(stream: bool):
     group = FakeEchoGroup("hot-b")
-    with serve_app(create_app(FakeEchoSupervisor([group]))) as peer_url:
-        router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE, peers=(PeerConfig(peer_url),))
-        app = create_app(FakeEchoSupervisor([], router=router))
+    with forwarding_to(group) as app:
         dispatcher = app.state.gateway.dispatcher
         client = Client()
 
         async def scenario() -> None:
-            link = dispatcher.peers[0]
-            link.start()
-            try:
-                await link.refresh()
+            async with linked(app):
                 body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": stream, "session_id": "s1"}
                 await asyncio.wait_for(post_then_leave(app, body, client, "2.4"), WAIT_S)
-            finally:
-                await link.stop()
         asyncio.run(scenario())
     assert client.sent[0]["status"] == 200
     assert group.completed == [group.calls[0].request_id]
@@ -160,22 +168,14 @@ def test_a_forwarded_call_runs_on_the_peer_for_its_tenant():
     call in team-a's namespace (its prefixes and session), not in the peer key's."""
     group = FakeEchoGroup("hot-b")
     peer_server = ServerConfig(api_keys=(ApiKeyConfig("key-b", "team-b"),), peer_key="peer-b")
-    with serve_app(create_app(FakeEchoSupervisor([group], server=peer_server))) as peer_url:
-        router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE, peers=(PeerConfig(peer_url, "peer-b"),))
-        app = create_app(FakeEchoSupervisor([], router=router, server=ServerConfig(
-            api_keys=(ApiKeyConfig("key-a", "team-a"),))))
-        dispatcher = app.state.gateway.dispatcher
+    node = ServerConfig(api_keys=(ApiKeyConfig("key-a", "team-a"),))
+    with forwarding_to(group, peer_server, "peer-b", node) as app:
         client = Client()
 
         async def scenario() -> None:
-            link = dispatcher.peers[0]
-            link.start()
-            try:
-                await link.refresh()
+            async with linked(app):
                 body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "session_id": "s1"}
                 await asyncio.wait_for(post_then_leave(app, body, client, "2.4", key="key-a"), WAIT_S)
-            finally:
-                await link.stop()
         asyncio.run(scenario())
     assert client.sent[0]["status"] == 200, client.body()
     [call] = group.calls
