@@ -1,14 +1,26 @@
 """Tiny random-weight models (float64) and helpers to run the engine in-process against the reference.
 
-The `model_cache` and `tiny` fixtures are registered for every folder by tests/conftest.py."""
+The `model_cache` and `tiny` fixtures are registered for every folder by tests/conftest.py.
+
+Two environment variables move the engine tests elsewhere (bench/gpu_check.sh sets them):
+`TALARIA_TEST_DEVICE=cuda` runs the in-process engine on the GPU, and `TALARIA_TEST_DTYPE=float32`
+builds the tiny models in float32. The reference stays float64 on the CPU either way."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
 
-from talaria.config.schema import InstanceConfig, ModelConfig, Pool, SyntheticShape
+from talaria.config.schema import (
+    DTYPES,
+    Device,
+    InstanceConfig,
+    ModelConfig,
+    Pool,
+    SyntheticShape,
+)
 from talaria.contracts.call import CallOutput, InstanceCall, SamplingParams
 from talaria.executor.driver import Driver, start_driver
 from talaria.executor.executor import Executor
@@ -28,12 +40,29 @@ SHAPES = {
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
+def engine_device() -> str:
+    """The device the engine tests run on: TALARIA_TEST_DEVICE (cpu, the default, or cuda)."""
+    name = os.environ.get("TALARIA_TEST_DEVICE", "cpu")
+    if name not in {d.value for d in Device}:
+        raise ValueError(f"TALARIA_TEST_DEVICE={name!r}; use one of: {', '.join(d.value for d in Device)}")
+    return name
+
+
+def engine_dtype() -> str:
+    """The dtype of the tiny models: TALARIA_TEST_DTYPE (float64, the default, or float32)."""
+    name = os.environ.get("TALARIA_TEST_DTYPE", "float64")
+    if name not in DTYPES:
+        raise ValueError(f"TALARIA_TEST_DTYPE={name!r}; use one of: {', '.join(DTYPES)}")
+    return name
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("model-cache")
 
 
-def tiny_files(family: str, cache, dtype: str = "float64", seed: int = 0) -> ModelFiles:
+def tiny_files(family: str, cache, dtype: str | None = None, seed: int = 0) -> ModelFiles:
+    dtype = dtype or engine_dtype()
     cfg = ModelConfig(name=f"tiny-{family}", source="synthetic:", dtype=dtype, seed=seed, shape=SHAPES[family])
     return prepare_model(cfg, None, cache)
 
@@ -45,7 +74,8 @@ def tiny(request, model_cache) -> ModelFiles:
 
 def instance(files: list[ModelFiles], **overrides) -> InstanceConfig:
     base = InstanceConfig(name="test", pool=Pool.HOT, models=tuple(f.name for f in files),
-                          arena_bytes=32 << 20, page_size=4, max_batch_tokens=64, max_running=16)
+                          device=Device(engine_device()), arena_bytes=32 << 20, page_size=4,
+                          max_batch_tokens=64, max_running=16)
     return replace(base, **overrides)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from talaria.contracts.call import SamplingParams
 from talaria.executor.sampler import Sampler
+from tests.tiny_models import engine_device
 
 V = 8
 FLAT = torch.zeros(V)  # uniform: every draw is informative about the random stream
@@ -132,3 +133,68 @@ def test_vanishing_temperature_and_top_p_choose_the_top_token():
     for params in (SamplingParams(temperature=1e-300), SamplingParams(top_p=1e-300, seed=3),
                    SamplingParams(temperature=1e-6, top_p=1e-300)):
         assert sample(Sampler(), logits, [(str(i), params) for i in range(4)]) == top
+
+
+# ---- the vectorised draw against the row-at-a-time multinomial it replaced ------------------
+
+def multinomial_draw(logits: torch.Tensor, params: SamplingParams, g: torch.Generator) -> int:
+    """The sampler as it was: one row at a time, `torch.multinomial` with the call's generator."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=g))
+
+
+MIXED = [SamplingParams(seed=1), SamplingParams(temperature=0.7, seed=2), SamplingParams(top_k=5, seed=3),
+         SamplingParams(temperature=1.3, top_p=0.8, seed=4), SamplingParams(top_k=40, top_p=0.95, seed=5),
+         SamplingParams(temperature=0.0, seed=6), SamplingParams(top_k=1000, top_p=0.5, seed=7)]
+
+
+def test_seeded_batched_draws_equal_row_at_a_time_multinomial():
+    """Vectorising kept every seeded call's random stream: the same tokens, step after step."""
+    device = engine_device()
+    vocab, steps = 300, 12
+    sampler = Sampler()
+    gens = {i: torch.Generator(device=device).manual_seed(p.seed) for i, p in enumerate(MIXED)}
+    for step in range(steps):
+        logits = (3 * torch.randn(len(MIXED), vocab, generator=torch.Generator().manual_seed(step))).to(device)
+        got = sample(sampler, logits, [(f"r{i}", p) for i, p in enumerate(MIXED)])
+        want = [int(logits[i].argmax()) if p.greedy else multinomial_draw(logits[i].float(), p, gens[i])
+                for i, p in enumerate(MIXED)]
+        assert got == want, step
+
+
+def test_generators_are_made_on_the_logits_device(monkeypatch):
+    device = engine_device()
+    sampler = Sampler()
+    logits = random_logits(3).to(device)
+    made = []
+    real = torch.Generator
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("device", args[0] if args else None))  # None: the default, the CPU
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "Generator", recording)
+    sample(sampler, logits, [("seeded", SamplingParams(seed=1)), ("unseeded", SamplingParams()),
+                             ("greedy", SamplingParams(temperature=0.0))])
+    assert made == [logits.device, logits.device]  # the two that draw; greedy calls make none
+    assert {g.device for g in sampler._generators.values()} == {logits.device}
+    assert set(sampler._generators) == {"seeded", "unseeded"}
+
+
+def test_logits_that_are_no_distribution_fail_their_call_alone():
+    logits = random_logits(3, seed=6)
+    logits[1, 2] = float("nan")
+    calls = [("a", SamplingParams(seed=1)), ("nan", SamplingParams(seed=2)), ("c", SamplingParams(seed=3))]
+    tokens, failed = Sampler().sample(logits, calls)
+    assert list(failed) == ["nan"] and "not a distribution" in failed["nan"]
+    alone = sample(Sampler(), logits[[0, 2]], [calls[0], calls[2]])
+    assert [tokens[0], tokens[2]] == alone
