@@ -52,6 +52,7 @@ class InstanceStats:
     kv_pages_total: int
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    lost_tokens: int = 0  # KV of whole pages computed, then lost on preemption (host full or evicted): recomputed
     models: tuple[str, ...] = field(default=())
     active_model: str | None = None  # the model whose weights are in the arena
     host_restored_tokens: int = 0  # prompt tokens restored from the host KV registry (HKVR)

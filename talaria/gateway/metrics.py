@@ -53,6 +53,8 @@ class InstanceStatsCollector:
         total = GaugeMetricFamily("talaria_kv_pages_total", "KV cache pages in the pool", labels=["instance"])
         usage = GaugeMetricFamily("talaria_kv_usage_ratio", "KV pages used / total (0..1)", labels=["instance"])
         preempt = CounterMetricFamily("talaria_preemptions", "Sequences preempted", labels=["instance"])
+        lost = CounterMetricFamily("talaria_lost_kv_tokens", "KV tokens computed, lost on preemption and "
+                                   "recomputed", labels=["instance"])
         switches = CounterMetricFamily("talaria_model_switches", "Model switches", labels=["instance"])
         sp = CounterMetricFamily("talaria_sp_returns", "Continuations returning mid-slot, by outcome",
                                  labels=["instance", "outcome"])
@@ -66,13 +68,14 @@ class InstanceStatsCollector:
             total.add_metric(label, s.kv_pages_total)
             usage.add_metric(label, s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0)
             preempt.add_metric(label, s.preemptions)
+            lost.add_metric(label, s.lost_tokens)
             switches.add_metric(label, s.switches)
             if s.rounds is not None:
                 sp.add_metric([s.instance, "admitted"], s.rounds.sp_admitted)
                 sp.add_metric([s.instance, "parked"], s.rounds.sp_parked)
                 for reason, n in s.rounds.deadline_risk.items():
                     risk.add_metric([s.instance, reason], n)
-        yield from (waiting, running, used, total, usage, preempt, switches, sp, risk)
+        yield from (waiting, running, used, total, usage, preempt, lost, switches, sp, risk)
 
 
 class RouterCollector:

@@ -41,6 +41,7 @@ class Batcher:
         self.running: list[Sequence] = []  # admission order: the newest is preempted first
         self.preemptions = 0
         self.prefix_hit_tokens = 0
+        self.lost_tokens = 0  # KV pages computed, lost on preemption (no room on host, or evicted) and recomputed
         self._hashes: dict[int, list[int]] = {}  # seq_id -> cumulative hashes of its full pages
 
     @property
@@ -171,6 +172,10 @@ class Batcher:
             self.restored.append((seq, len(slabs) * self.pages.page_size))
         seq.page_table = cached + fresh
         seq.num_computed = (len(cached) + len(slabs)) * self.pages.page_size
+        lost = (seq.computed_high // self.pages.page_size) * self.pages.page_size - seq.num_computed
+        if lost > 0:  # whole pages it had computed before are neither on device nor on host now
+            seq.lost_tokens += lost
+            self.lost_tokens += lost
         self.restored_tokens += len(slabs) * self.pages.page_size  # every restore, readmissions too
         if not seq.admitted_once:  # a call's usage counts what its prompt was served from
             seq.num_cached = seq.num_computed
@@ -203,6 +208,7 @@ class Batcher:
             self._restoring = []
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.computed_high = max(seq.computed_high, seq.num_computed)
         self._release(seq)
         seq.page_table = []
         seq.num_computed = 0

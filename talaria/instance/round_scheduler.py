@@ -74,6 +74,7 @@ class RoundScheduler:
         self._pending: tuple[str, Phase | None, float, float] | None = None  # (model, phase, predicted, t0)
         self._last_path = SwitchPath.H2D_ONLY  # of the switch in flight
         self.deadline_risk: Counter = Counter()
+        self._deferrals: Counter = Counter()  # model -> rounds in a row the thrash guard left it out
         self.summaries: deque[dict] = deque(maxlen=ROUNDS_KEPT)
         self.sp_admitted = 0
         self.sp_parked = 0
@@ -151,20 +152,39 @@ class RoundScheduler:
             b = self.batchers[m]
             demand[m] = protected[m] * t_d + sum(self.costs.prefill_s(m, s.num_uncomputed) for s in b.waiting)
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
-        switch_s, prev = 0.0, active
-        for m in queue:
-            if m != prev:
-                switch_s += self.costs.switch_s(m, self._coverage(m) if prev == active else 0.0)
-            prev = m
-        available = cfg.round_s - switch_s
+        deferred: list[str] = []
+        while True:  # the thrash guard: drop the least worthwhile slot until every slot pays its switch
+            switches = self._switches(queue, active)
+            available = cfg.round_s - sum(switches.values())
+            budgets = SLOT_LENGTHS[cfg.length](max(0.0, available), {m: demand[m] for m in queue})
+            worthless = [m for m in queue if switches[m] > 0 and self._deferrals[m] < cfg.max_deferrals
+                         and min(budgets[m], demand[m]) < cfg.thrash_k * switches[m]]
+            if not worthless or len(queue) == 1:
+                break
+            worst = min(worthless, key=lambda m: min(budgets[m], demand[m]) / switches[m])
+            queue.remove(worst)
+            deferred.append(worst)
         if available <= 0:
             self.deadline_risk["round_infeasible"] += 1  # switches alone exceed gamma * ttft_s
-            available = 0.0
-        budgets = SLOT_LENGTHS[cfg.length](available, {m: demand[m] for m in queue})
         for m in queue:
+            self._deferrals[m] = 0
+            # a slot that switches serves at least what the switch is worth, round bound or not: a
+            # starved model (deferred max_deferrals times) or the only model with work gets that much
+            budgets[m] = max(budgets[m], min(demand[m], cfg.thrash_k * switches[m]))
             if protected[m] * self._decode_step_s(m) > budgets[m] and self.batchers[m].running:
                 self.deadline_risk["decode_share"] += 1  # the reserved decode does not fit the slot
-        self.round = Round(next(self._numbers), now, queue, budgets, protected)
+        for m in deferred:
+            self._deferrals[m] += 1
+            self.deadline_risk["thrash_deferred"] += 1
+        self.round = Round(next(self._numbers), now, queue, budgets, protected, deferred)
+
+    def _switches(self, queue: list[str], active: str | None) -> dict[str, float]:
+        """The predicted switch into each slot of `queue` (0 for the active model's own slot first)."""
+        switches, prev = {}, active
+        for m in queue:
+            switches[m] = 0.0 if m == prev else self.costs.switch_s(m, self._coverage(m) if prev == active else 0.0)
+            prev = m
+        return switches
 
     def _close_round(self, now: float) -> None:
         r, self.round = self.round, None
@@ -177,7 +197,8 @@ class RoundScheduler:
         summary = {"round": r.number, "start": r.start, "wall_s": wall, "active_s": wall - r.time["switch"],
                    "switch_s": float(r.time["switch"]), "p_s": float(r.time["P"]), "d_s": float(r.time["D"]),
                    "sp_s": float(r.time["SP"]),
-                   "sp_admitted": r.sp_admitted, "sp_parked": r.sp_parked, "slots": r.slots}
+                   "sp_admitted": r.sp_admitted, "sp_parked": r.sp_parked, "slots": r.slots,
+                   "deferred": r.deferred}
         self.summaries.append(summary)
         self._emit(EventKind.ROUND, **summary)
 
@@ -212,7 +233,9 @@ class RoundScheduler:
         # Without a host KV registry, closing the slot throws away every running sequence's KV: a call
         # longer than a slot would restart at every slot and never finish. Such a slot runs its running
         # sequences to completion (admitting nothing new past its budget) and reports the overrun.
-        stranded = b.host is None and bool(b.running)
+        # With one, a prompt whose KV was lost before (no room on host, or evicted before it came back)
+        # could lose it again at every switch: it finishes its prefill here, which yields a token.
+        stranded = bool(b.running) and (b.host is None or any(self._must_finish(b, q) for q in b.running))
         if s.steps and now - s.start >= s.budget_s and not owed and not stranded:
             return None
         if s.phase is Phase.P:
@@ -273,7 +296,7 @@ class RoundScheduler:
                 break
             admitted = seq.status is SeqStatus.RUNNING
             # a started prompt with nowhere to save its KV finishes here, budget or not (see _in_slot)
-            budget = math.inf if admitted and b.host is None else left - cost
+            budget = math.inf if admitted and self._must_finish(b, seq) else left - cost
             n, c = self._fit(s.model, b, seq, budget, tokens, batched=bool(chunks))
             if n == 0 and phase is Phase.P and s.seg_steps == 0 and s.phase is Phase.P and not chunks:
                 n, c = self._fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
@@ -327,6 +350,11 @@ class RoundScheduler:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
         return lo, cost(lo)
+
+    @staticmethod
+    def _must_finish(b: Batcher, seq: Sequence) -> bool:
+        """A running prompt this slot must prefill to the end, budget or not (see _in_slot)."""
+        return seq.is_prefilling and (b.host is None or seq.lost_tokens > 0)
 
     def _eligible(self, s: Slot, b: Batcher, seq: Sequence) -> bool:
         """SP-eligible: a continuation of a session served here, arrived after P, with its prefix on

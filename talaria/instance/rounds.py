@@ -35,6 +35,11 @@ class RoundConfig:
     length: SlotLength = SlotLength.DEMAND
     max_batch_tokens: int = 512  # tokens per engine step
     min_chunk_tokens: int = 0  # smallest P/SP chunk worth a step; 0 = max(page, max_batch_tokens / 4)
+    # thrash guard: a slot that needs a switch must be predicted to serve at least thrash_k x that
+    # switch's cost, else the model is deferred to a later round -- but never more than max_deferrals
+    # rounds in a row (its next slot then gets at least that much budget, bound or not)
+    thrash_k: float = 1.0
+    max_deferrals: int = 2
 
     @property
     def round_s(self) -> float:
@@ -92,6 +97,7 @@ class Round:
     queue: list[str]  # models whose slot is still to come, next first
     budgets: dict[str, float]
     protected: dict[str, int]
+    deferred: list[str] = field(default_factory=list)  # models with work left out by the thrash guard
     time: Counter = field(default_factory=Counter)  # seconds by "P", "D", "SP", "switch"
     sp_admitted: int = 0
     sp_parked: int = 0

@@ -299,6 +299,7 @@ class Scheduler:
             kv_pages_used=pool.num_used if pool else 0,
             kv_pages_total=pool.num_pages if pool else 0,
             preemptions=sum(b.preemptions for b in bs),
+            lost_tokens=sum(b.lost_tokens for b in bs),
             prefix_hit_tokens=sum(b.prefix_hit_tokens for b in bs),
             models=tuple(self.batchers),
             active_model=self.active,

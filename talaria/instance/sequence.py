@@ -37,6 +37,8 @@ class Sequence:
     admitted_once: bool = False
     page_hashes: tuple[int, ...] = ()  # cumulative hashes of its computed full pages, set when it leaves
     root: int = 0  # where its page-hash chain starts: chain_root(call.cache_salt)
+    computed_high: int = 0  # the most tokens it has ever had KV for (set when it is preempted)
+    lost_tokens: int = 0  # KV of whole pages it had computed and lost (preempted, not kept): recomputed
 
     @property
     def model(self) -> str:

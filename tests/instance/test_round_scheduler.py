@@ -205,3 +205,48 @@ def test_without_host_kv_a_slot_finishes_its_running_calls_rather_than_throw_the
     first_switch = next(e for e in inst.log() if e.kind.value == "switch")
     assert first_switch.t >= 40 * DECODE_S  # b opened only after the long call was done
     assert inst.scheduler.rounds.deadline_risk["round_over"] >= 1
+
+
+def _three_models_in_short_rounds(thrash_k: float, host_slabs: int = 2):
+    """Rounds of 0.25 s, two 0.125 s switches long; six 24-token prompts over three models, prefilled a
+    page per step; a host KV registry of `host_slabs` pages, so KV saved at a switch is soon evicted."""
+    rc = dataclasses.replace(ROUNDS, ttft_s=0.3125, thrash_k=thrash_k)
+    inst = instance("a", "b", "c", rounds=rc, max_batch_tokens=4, host_slabs=host_slabs, extra_pages=8)
+    calls = [call(f"{m}{i}", range(100 + 40 * i + 200 * j, 124 + 40 * i + 200 * j), model=m, max_tokens=6)
+             for j, m in enumerate("abc") for i in range(2)]
+    outputs = inst.until_idle(limit=3000, arrivals={0.0: calls})
+    return inst, {o.request_id: o for o in outputs if o.finish is not None}
+
+
+def test_a_prompt_whose_kv_was_lost_finishes_its_prefill_in_its_next_slot():
+    """With the guard off, every slot is a chunk or two and two host slabs cannot keep what a switch
+    saves: a prompt that restarted at every slot would never finish (chaos found this live). A prompt
+    that has lost KV once is prefilled to the end in its next slot, which yields a token each time."""
+    inst, done = _three_models_in_short_rounds(thrash_k=0.0)
+    assert sorted(done) == ["a0", "a1", "b0", "b1", "c0", "c1"]
+    assert all(o.usage.completion_tokens == 6 for o in done.values())
+    assert sum(b.lost_tokens for b in inst.scheduler.batchers.values()) > 0  # the case really arose
+    assert inst.scheduler.stats().lost_tokens > 0  # and telemetry counts it
+
+
+def test_the_thrash_guard_switches_only_into_slots_worth_the_switch_and_starves_no_model():
+    """Rounds shorter than their switches: unguarded, every slot pays a switch to serve a chunk; with
+    the guard (k = 1) a model whose slot would serve less than its switch costs is deferred, at most
+    max_deferrals rounds in a row, and its next slot gets at least the switch's worth of budget."""
+    unguarded, _ = _three_models_in_short_rounds(thrash_k=0.0)
+    unguarded_switches = sum(1 for e in unguarded.log() if e.kind.value == "switch")
+    guarded, done = _three_models_in_short_rounds(thrash_k=1.0)
+    events = guarded.log()
+    assert len(done) == 6
+    switches = sum(1 for e in events if e.kind.value == "switch")
+    assert switches < unguarded_switches and guarded.clock.now < unguarded.clock.now
+    risk = guarded.scheduler.rounds.deadline_risk
+    assert risk["thrash_deferred"] > 0  # deferrals are reported
+    streak: dict[str, int] = {}
+    for r in rounds(events):
+        for m in "abc":
+            streak[m] = streak.get(m, 0) + 1 if m in r["deferred"] else 0
+            assert streak[m] <= guarded.scheduler.rounds.config.max_deferrals
+        for slot in r["slots"]:
+            if slot["model"] in r["deferred"]:
+                raise AssertionError(f"round {r['round']} ran a deferred model")

@@ -97,3 +97,23 @@ def test_the_cli_says_which_models_a_profile_lacks(tmp_path):
     save_profile(PROFILE, profile_path)
     result = CliRunner().invoke(cli, ["sim", "--profile", str(profile_path), "--trace", str(trace_path)])
     assert result.exit_code != 0 and "zzz" in result.output and "Traceback" not in result.output
+
+
+def test_at_a_short_ttft_target_talaria_never_loses_to_round_only():
+    """paper-tp8 at T_ttft 5 s: rounds of 4 s, where three 235B-class switches (2.6 s each from host)
+    do not fit. Before the thrash guard every slot paid a switch to serve a chunk and Talaria's SCT
+    p50 was over 10x round-only's; a reduced case (each session's first 7 calls, 210 calls)."""
+    import random
+    from pathlib import Path
+
+    from talaria.contracts.profile_file import load_profile
+    from talaria.sim.simulation import profile_topology
+    from talaria.trace.generate import generate, preset
+
+    profile = load_profile(Path(__file__).resolve().parents[2] / "profiles" / "paper-tp8.toml")
+    trace = [c for c in generate(preset("paper-tp8"), random.Random(0)).calls if c.index < 7]
+    config = profile_topology(profile, ttft_s=5.0, tpot_s=0.2, gamma=0.8)
+    talaria = summary(Simulation(config, profile, trace).run())
+    round_only = summary(Simulation(variant(config, "round-only"), profile, trace).run())
+    assert len(trace) == 210
+    assert talaria["sct_p50_s"] <= round_only["sct_p50_s"] and talaria["sct_p95_s"] <= round_only["sct_p95_s"]
