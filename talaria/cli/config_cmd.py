@@ -29,8 +29,8 @@ def config() -> None:
 @click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--files", "with_files", is_flag=True,
               help="Also run the checks `talaria up` runs: read each model's metadata (not its "
-                   "weights), check tp against its heads, CUDA for cuda instances, and that each "
-                   "arena holds its largest model.")
+                   "weights), check tp against its heads, the GPUs of cuda instances, that each "
+                   "arena holds its largest model, and the ranks' host memory against RAM.")
 def check(file: Path | None, with_files: bool) -> None:
     """Validate FILE (default: the embedded config) and print a summary.
 
@@ -78,7 +78,8 @@ def _summary(cfg: TalariaConfig) -> str:
         rows.append([m.name, m.dtype, source])
     lines += _columns(rows)
     lines.append("instances")
-    lines += _columns([[i.name, i.pool.value, f"tp {i.tp}", i.device.value,
+    lines += _columns([[i.name, i.pool.value, f"tp {i.tp}",
+                        i.device.value + (f" {','.join(map(str, i.devices))}" if i.devices else ""),
                         f"arena {format_size(i.arena_bytes)}", ", ".join(i.models)]
                        for i in cfg.instances])
     return "\n".join(lines)

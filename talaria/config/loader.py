@@ -14,12 +14,14 @@ import difflib
 import ipaddress
 import re
 import tomllib
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from talaria.config.errors import ConfigError
 from talaria.config.schema import (
+    Device,
     InstanceConfig,
     ModelConfig,
     Pool,
@@ -82,6 +84,7 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
     instances, _ = read_array(InstanceConfig, raw, "instances", probs)
     archs = _check_models(models, probs)
     _check_instances(instances, model_names, archs, probs)
+    instances = _lay_out_devices(instances, probs)
     _check_keys(server, probs)
     for peer in router.peers:
         if not re.match(r"https?://[^/\s]+", peer.url):
@@ -227,6 +230,44 @@ def _check_instances(instances: list[tuple[str, InstanceConfig]], model_names: s
             if getattr(inst, key) <= 0:
                 probs.add(where, f"{key} = {getattr(inst, key)} must be above 0, e.g. {key} = {example}")
         check_tp(inst, {m: archs[m] for m in dict.fromkeys(inst.models) if m in archs}, where, probs)
+
+
+def _lay_out_devices(instances: list[tuple[str, InstanceConfig]],
+                     probs: Problems) -> list[tuple[str, InstanceConfig]]:
+    """Each cuda instance's GPUs, one per rank: its own `devices`, or else the next `tp` GPUs after
+    the highest one taken by the cuda instances before it in the file. No GPU serves two instances
+    (each rank fills its GPU with an arena). Whether the GPUs exist is the preflight's to check."""
+    out, owner = [], {}  # GPU -> label of the instance that has it
+    for label, inst in instances:
+        where, given = f"[[instances]] {label}", inst.devices
+        if inst.device is Device.CPU:
+            if given:
+                probs.add(where, f"devices = {toml_value(given)} names GPUs, but this instance runs on the CPU; "
+                          'remove devices, or set device = "cuda"')
+            out.append((label, inst))
+            continue
+        after = max(owner, default=-1) + 1  # the first GPU no instance before this one has
+        free = toml_value(list(range(after, after + inst.tp)))
+        devices = given or tuple(range(after, after + inst.tp))
+        shown = f"devices = {toml_value(devices)}" if given else \
+            f"its default devices {toml_value(devices)} (the GPUs after those of the instances before it)"
+        if given and len(given) != inst.tp:
+            probs.add(where, f"{shown} lists {len(given)} GPU{'s' if len(given) > 1 else ''} for tp = {inst.tp}; "
+                      "list one GPU per rank, "
+                      f"e.g. devices = {free}")
+        for gpu in sorted({d for d in devices if devices.count(d) > 1}):
+            probs.add(where, f"{shown} names GPU {gpu} twice; give each rank its own GPU, e.g. devices = {free}")
+        clashes: dict[str, list[int]] = {}
+        for gpu in dict.fromkeys(devices):
+            if gpu in owner:
+                clashes.setdefault(owner[gpu], []).append(gpu)
+            owner.setdefault(gpu, label)
+        for other, gpus in clashes.items():
+            probs.add(where, f"{shown} overlap instance {other} on GPU{'s' if len(gpus) > 1 else ''} "
+                      f"{one_of([str(g) for g in gpus], 'and')}; give each instance its own GPUs, "
+                      f"e.g. devices = {free}")
+        out.append((label, replace(inst, devices=devices)))
+    return out
 
 
 def check_tp(inst: InstanceConfig, archs: dict[str, ModelArch], where: str, probs: Problems) -> None:

@@ -140,6 +140,9 @@ class InstanceConfig:
     models: tuple[str, ...]  # names from [[models]] this instance may serve
     tp: int = 1  # tensor-parallel worker processes in the engine group
     device: Device = Device.CPU
+    # cuda: the GPU of each rank (len == tp). The loader fills it in when the file leaves it out:
+    # instances then take GPUs in config order, after those of the instances before them
+    devices: tuple[int, ...] = ()
     arena_bytes: int = 1 << 30  # per rank: weights + KV pool + runtime buffers
     page_size: int = 16  # tokens per KV page
     max_batch_tokens: int = 512  # tokens per engine step; longer prompts prefill in chunks
@@ -160,6 +163,13 @@ class InstanceConfig:
     # watchdog: with calls in flight and no snapshot for max(stall_s, 8 x its longest predicted step),
     # the instance is marked unhealthy, its calls fail with 503 and it restarts (docs/operations.md)
     stall_s: float = 20.0
+
+    def rank_device(self, rank: int) -> str:
+        """The torch device of rank `rank`: "cpu", or "cuda:N" with N its entry in `devices` (the
+        rank's own index when `devices` is empty, as for an InstanceConfig built in code)."""
+        if self.device is Device.CPU:
+            return "cpu"
+        return f"cuda:{self.devices[rank] if self.devices else rank}"
 
     def enabled(self, mechanism: Ablation) -> bool:
         """Whether `mechanism` runs here: not ablated (round_only ablates all three) and configured on."""

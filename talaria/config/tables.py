@@ -1,8 +1,9 @@
 """Read TOML tables into the schema's dataclasses, collecting every problem on the way.
 
 What a key accepts comes from the dataclass field's type hint: `bool`, `int` (a size when the name
-ends in `_bytes`), `float`, `str`, an `Enum`, `tuple[str, ...]`, or a nested dataclass. So a field
-added to `talaria.config.schema` (with a default) is parsed and type-checked here unchanged.
+ends in `_bytes`), `float`, `str`, an `Enum`, `tuple[str, ...]`, `tuple[int, ...]` (integers >= 0),
+or a nested dataclass. So a field added to `talaria.config.schema` (with a default) is parsed and
+type-checked here unchanged.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def read_array(cls: type, raw: dict, table: str, probs: Problems) -> tuple[list,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Kind:
-    tag: str  # bool | int | size | float | str | choice | strs | table
+    tag: str  # bool | int | size | float | str | choice | strs | ints | table
     choices: tuple[str, ...] = ()
     enum: type[Enum] | None = None
     table: type | None = None
@@ -156,6 +157,8 @@ def _kinds(cls: type) -> dict[str, _Kind]:
             kinds[f.name] = _Kind("choice", choices) if choices else _Kind("str")
         elif get_origin(hint) is tuple and get_args(hint) == (str, ...):
             kinds[f.name] = _Kind("strs")
+        elif get_origin(hint) is tuple and get_args(hint) == (int, ...):
+            kinds[f.name] = _Kind("ints")
         elif get_origin(hint) is tuple and dataclasses.is_dataclass(get_args(hint)[0]):
             kinds[f.name] = _Kind("tables", table=get_args(hint)[0])
         elif get_origin(hint) is tuple and isinstance(get_args(hint)[0], type) and issubclass(get_args(hint)[0], Enum):
@@ -231,14 +234,19 @@ def _convert(cls: type, key: str, kind: _Kind, value: Any, where: str, probs: Pr
     ok = {"bool": isinstance(value, bool), "int": is_int, "size": is_int,
           "float": is_int or isinstance(value, float),
           "str": isinstance(value, str), "choice": isinstance(value, str),
-          "strs": isinstance(value, list) and all(isinstance(v, str) for v in value)}.get(kind.tag)
+          "strs": isinstance(value, list) and all(isinstance(v, str) for v in value),
+          "ints": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+          }.get(kind.tag)
     if kind.tag == "choices":
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     if not ok:
         want = {"bool": "true or false", "int": "an integer", "size": _SIZE_WORDS, "float": "a number",
                 "str": "a string", "choice": "a string", "strs": "an array of strings",
-                "choices": "an array of strings"}[kind.tag]
-        what = "an array of non-strings" if kind.tag in ("strs", "choices") and isinstance(value, list) else _a(value)
+                "choices": "an array of strings", "ints": "an array of integers"}[kind.tag]
+        what = _a(value)
+        if isinstance(value, list):
+            what = "an array of non-integers" if kind.tag == "ints" else \
+                "an array of non-strings" if kind.tag in ("strs", "choices") else what
         probs.add(where, f"{shown} is {what}; write {want}, e.g. {key} = {example}")
         return _BAD
     if kind.tag in ("int", "size"):
@@ -254,6 +262,11 @@ def _convert(cls: type, key: str, kind: _Kind, value: Any, where: str, probs: Pr
             probs.add(where, f"{shown} is out of range; use a finite number >= 0, e.g. {key} = {example}")
             return _BAD
         value = float(value)
+    elif kind.tag == "ints":
+        if any(v < 0 for v in value):
+            probs.add(where, f"{shown} has a negative entry; write integers >= 0, e.g. {key} = {example}")
+            return _BAD
+        return tuple(value)
     elif kind.tag in ("str", "strs") and "" in (value if kind.tag == "strs" else [value]):
         probs.add(where, f"{shown} has an empty string; write a value, e.g. {key} = {example}")
         return _BAD
@@ -277,6 +290,8 @@ def _convert(cls: type, key: str, kind: _Kind, value: Any, where: str, probs: Pr
 
 def _example(cls: type, key: str, kind: _Kind) -> str:
     default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+    if kind.tag == "ints":
+        return "[0, 1]"
     if kind.tag == "size" and isinstance(default, int):
         unit = next((u for u in ("TiB", "GiB", "MiB", "KiB") if default % _UNITS[u.lower()] == 0), None)
         return f'"{default // _UNITS[unit.lower()]}{unit}"' if unit else str(default)

@@ -51,10 +51,10 @@ def run_rank(instance: InstanceConfig, models: list[ModelFiles], rank: int, rend
     `rendezvous`: the path of the group's FileStore."""
     torch.set_num_threads(threads)
     tp = instance.tp
+    if instance.device is Device.CUDA:  # before any CUDA call: this rank's GPU from the instance's devices
+        torch.cuda.set_device(torch.device(instance.rank_device(rank)))
     if tp > 1:
         backend = "nccl" if instance.device is Device.CUDA else "gloo"
-        if instance.device is Device.CUDA:
-            torch.cuda.set_device(rank)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK
         dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=tp,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))

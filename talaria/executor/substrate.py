@@ -32,6 +32,27 @@ from talaria.models.source import ModelFiles
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def copy_runs(pairs: tuple[tuple[int, int], ...], single: bool = False) -> list[tuple[int, int, int]]:
+    """(src, dst) row pairs as (src0, dst0, n) blocks consecutive on both sides: one copy per block.
+    `single`: every block one row (a block of rows narrower than their buffer is strided, and a
+    strided host <-> device copy would go through a pageable temporary)."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and not single and (src, dst) == (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]):
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def _bind_copy_thread(device: torch.device) -> None:
+    """The copy thread's initializer: one core, and its CUDA calls on the rank's GPU (a thread
+    starts on GPU 0, where it would open a context of its own on every rank)."""
+    torch.set_num_threads(1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _gathers(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, list[int]]]:
     """(src, dst) pairs as (dst0, srcs) runs of consecutive destinations: one gather per run."""
     runs: list[tuple[int, list[int]]] = []
@@ -71,7 +92,7 @@ class Substrate:
         self.group = group
         cuda = instance.device.value == "cuda"
         self.images = {m.name: ModelImage(m, group, instance.page_size, pin=cuda) for m in models}
-        self.arena = Arena(instance.arena_bytes, instance.device.value)
+        self.arena = Arena(instance.arena_bytes, instance.rank_device(group.rank))
         # runtime region: each model's RoPE tables at a fixed offset, so they never move
         runtime = sum(img.runtime_bytes for img in self.images.values())
         self.layout = BumpLayout(instance.arena_bytes, runtime, ALIGN)
@@ -87,8 +108,8 @@ class Substrate:
             0, max(1, self.num_slabs) * self.slab_bytes).view(-1, self.slab_bytes)
         # D2H saves and staging copies run beside serving, on one core: a second full OpenMP team
         # would fight the forward's for the same cores (and keeps spinning after it is done)
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy", initializer=torch.set_num_threads,
-                                         initargs=(1,))
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy", initializer=_bind_copy_thread,
+                                         initargs=(self.arena.device,))
         self._copy_stream = torch.cuda.Stream(self.arena.device) if cuda else None
         self.poison = instance.debug_poison
         self.active: str | None = None
@@ -108,19 +129,32 @@ class Substrate:
             self._staging = None
         if self.poison and ops.poison:
             self.kv.data.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), float("nan"))
-        if ops.restores:  # slab -> page; fresh pages are mostly consecutive, slabs anywhere
-            pb = self.kv_bytes.shape[1]
-            if self.kv_bytes.is_cuda:  # pinned host -> device, one DMA per page
-                for slab, page in ops.restores:
-                    self.kv_bytes[page].copy_(self.slabs[slab, :pb], non_blocking=True)
-            else:  # one gather per run straight into the pages: a single pass over the bytes
-                for page, slabs in _gathers(ops.restores):
-                    torch.index_select(self.slabs[:, :pb], 0, torch.tensor(slabs),
-                                       out=self.kv_bytes[page:page + len(slabs)])
-            self._sync()
+        if ops.restores:
+            self._restore(ops.restores)
         for save in ops.saves:
             written = self._compute_done()
             self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies, written)
+
+    def _restore(self, restores: tuple[tuple[int, int], ...]) -> None:
+        """slab -> page, one copy per block consecutive on both sides (slabs are taken lowest-first
+        and fresh pages are mostly consecutive, so a prefix is mostly one block). CUDA: pinned host
+        -> device on the copy stream, ordered by events, with no host wait."""
+        pb = self.kv_bytes.shape[1]
+        strided = pb < self.slabs.shape[1]  # a smaller model's pages in slabs sized for the largest
+        runs = copy_runs(restores, single=strided and self.kv_bytes.is_cuda)
+        if self._copy_stream is None:
+            for slab, page, n in runs:
+                self.kv_bytes[page:page + n].copy_(self.slabs[slab:slab + n, :pb])
+            return
+        # invariant: the copies write the pages after every step queued so far (one may still read
+        # a page freed since) and the next forward reads them only after the copies
+        self._copy_stream.wait_event(self._compute_done())
+        with torch.cuda.stream(self._copy_stream):
+            for slab, page, n in runs:
+                self.kv_bytes[page:page + n].copy_(self.slabs[slab:slab + n, :pb], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        torch.cuda.current_stream(self.arena.device).wait_event(copied)
 
     def _compute_done(self):
         """CUDA: an event after the work queued so far (the pages' K/V writes); None on CPU."""
@@ -136,9 +170,9 @@ class Substrate:
         if kv_bytes.is_cuda:  # device -> pinned host on a side stream, once the K/V writes landed
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(written)
-                for page, slab in copies:
-                    self.slabs[slab, :pb].copy_(kv_bytes[page], non_blocking=True)
-            self._copy_stream.synchronize()
+                for page, slab, n in copy_runs(copies, single=pb < self.slabs.shape[1]):
+                    self.slabs[slab:slab + n, :pb].copy_(kv_bytes[page:page + n], non_blocking=True)
+            self._copy_stream.synchronize()  # this stream only: the save is on the host when its future is done
             return
         for slab, pages in _gathers(copies):
             torch.index_select(kv_bytes, 0, torch.tensor(pages), out=self.slabs[slab:slab + len(pages), :pb])
@@ -220,5 +254,7 @@ class Substrate:
                                 gather.dirty_bytes, gather.total_bytes, rebuilt_runtime=rebuilt)
 
     def _sync(self) -> None:
+        """Wait for the compute stream (a switch's weight copies, to time phase 2); the copy stream's
+        saves and staging are waited for by their futures, not here."""
         if self.arena.device.type == "cuda":
-            torch.cuda.synchronize(self.arena.device)
+            torch.cuda.current_stream(self.arena.device).synchronize()

@@ -1,19 +1,22 @@
-"""Can this machine run this config: model files, tp against each model's heads, arenas, CUDA.
+"""Can this machine run this config: model files, tp against each model's heads, arenas, GPUs, RAM.
 
 `talaria up` runs `check_files` before it starts anything, and `talaria config check --files` runs
-it on demand. It reads each model's metadata (no weights), checks tp against its heads, that CUDA is
-there for cuda instances (importing torch only then), and that each arena holds its largest model
-plus `MIN_KV_PAGES` KV pages. It lives with the node because it asks what the node has — files and
-devices — where `talaria.config.loader` checks only the file's structure.
+it on demand. It reads each model's metadata (no weights), checks tp against its heads, that the
+GPUs of cuda instances exist (importing torch only then), that each arena holds its largest model
+plus `MIN_KV_PAGES` KV pages, and that the host memory the ranks hold fits the machine's RAM. It
+lives with the node because it asks what the node has — files, devices and memory — where
+`talaria.config.loader` checks only the file's structure.
 """
 
 from __future__ import annotations
 
 import math
 
+import psutil
+
 from talaria.config.loader import check_tp, tp_misfits
 from talaria.config.schema import DTYPE_BYTES, Device, InstanceConfig, TalariaConfig
-from talaria.config.tables import Problems, format_size, toml_value
+from talaria.config.tables import Problems, format_size, one_of, toml_value
 from talaria.contracts.arch import ModelArch
 
 MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
@@ -22,9 +25,10 @@ MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least
 def check_files(cfg: TalariaConfig) -> list[str]:
     """The checks `talaria up` runs before starting anything; informational lines if they pass.
 
-    Reads every model's metadata (no weights), checks tp against each model's heads, that CUDA is
-    there for cuda instances (importing torch only then), and that each arena holds its largest
-    model plus `MIN_KV_PAGES` KV pages. Raises `ConfigError` listing every problem.
+    Reads every model's metadata (no weights), checks tp against each model's heads, that the GPUs
+    of cuda instances exist (importing torch only then), that each arena holds its largest model
+    plus `MIN_KV_PAGES` KV pages, and the host memory against RAM (`check_host_memory`). Raises
+    `ConfigError` listing every problem.
     """
     probs, info = Problems(str(cfg.path) if cfg.path is not None else "<config>"), []
     archs = _model_archs(cfg, probs, info)
@@ -37,6 +41,8 @@ def check_files(cfg: TalariaConfig) -> list[str]:
     cuda = [i for i in cfg.instances if i.device is Device.CUDA]
     if cuda:
         _check_cuda(cuda, probs, info)
+    if len(archs) == len(cfg.models):  # an unreadable model's size is unknown: its problem comes first
+        check_host_memory(cfg, archs, psutil.virtual_memory().total, probs, info)
     for m in cfg.models:
         if not cfg.instances_serving(m.name):
             info.append(f'note: model "{m.name}" is in [[models]] but no instance serves it')
@@ -120,12 +126,48 @@ def _check_cuda(cuda: list[InstanceConfig], probs: Problems, info: list[str]) ->
                       f'no CUDA device ({devices.build}); run on a GPU machine, or set device = "cpu"')
         return
     count = devices.count
-    for inst in cuda:
-        if inst.tp > count:
-            probs.add(f"[[instances]] {toml_value(inst.name)}", f"tp = {inst.tp} needs {inst.tp} "
-                      f"GPUs but torch finds {count}; lower tp, or run on a node with more GPUs")
     info.append(f"cuda: {count} x {devices.name}")
-    ranks = sum(i.tp for i in cuda)
-    if ranks > count:
-        info.append(f"note: cuda instances have {ranks} ranks on {count} GPUs, "
-                    "so some GPUs hold more than one arena")
+    for inst in cuda:
+        where, gpus = f"[[instances]] {toml_value(inst.name)}", inst.devices or tuple(range(inst.tp))
+        missing = [str(d) for d in gpus if d >= count]
+        if inst.tp > count:
+            probs.add(where, f"tp = {inst.tp} needs {inst.tp} GPUs but torch finds {count}; lower tp, "
+                      "or run on a node with more GPUs")
+        elif missing:
+            probs.add(where, f"devices = {toml_value(gpus)} names GPU {one_of(missing, 'and')} but torch finds "
+                      f"{count} (0 to {count - 1}); without devices, instances take GPUs in config order, one "
+                      "per rank: list GPUs that exist and no other instance has, or lower tp")
+        else:
+            info.append(f'instance "{inst.name}": GPUs {", ".join(map(str, gpus))}')
+
+
+def check_host_memory(cfg: TalariaConfig, archs: dict[str, ModelArch], ram: int, probs: Problems,
+                      info: list[str]) -> None:
+    """The host memory every rank holds for its lifetime must fit the machine's `ram`.
+
+    Each rank keeps a host image of every model its instance serves (the switch source; pinned on
+    CUDA) and `host_kv_bytes` of host KV slabs (pinned on CUDA); a CPU rank's arena is in RAM too.
+    Pinned memory cannot be swapped out: a config past RAM fails at start, or takes the machine down.
+    """
+    shares = []  # (bytes, instance, what it holds per rank)
+    for inst in cfg.instances:
+        images = sum(params_per_rank(archs[m], inst.tp) * DTYPE_BYTES[cfg.model(m).dtype] for m in inst.models)
+        parts = {"weight images": images, "host KV": inst.host_kv_bytes}
+        if inst.device is Device.CPU:
+            parts["CPU arena"] = inst.arena_bytes
+        shares.append((inst.tp * sum(parts.values()), inst, parts))
+    total = sum(b for b, _, _ in shares)
+    if total <= ram:
+        info.append(f"host memory: {format_size(total)} held by the ranks (weight images, host KV, CPU arenas) "
+                    f"of {format_size(ram)} RAM")
+        return
+    lines = []
+    for nbytes, inst, parts in sorted(shares, key=lambda s: -s[0]):
+        each = " + ".join(f"{what} {format_size(n)}" for what, n in parts.items() if n)
+        lines.append(f'"{inst.name}" {inst.tp} rank{"s" if inst.tp > 1 else ""} x ({each}) = {format_size(nbytes)}')
+    _, top, parts = max(shares, key=lambda s: s[0])
+    lower = {"weight images": "serve fewer or smaller models there (each costs a weight image per rank)",
+             "host KV": "lower its host_kv_bytes (per rank)", "CPU arena": "lower its arena_bytes (per rank)"}
+    probs.add("[[instances]]", f"the ranks would hold {format_size(total)} of host memory, more than this "
+              f"machine's {format_size(ram)} of RAM: {'; '.join(lines)}. Free {format_size(total - ram)} "
+              f'or more, starting with the largest share: on "{top.name}", {lower[max(parts, key=parts.get)]}')

@@ -72,6 +72,13 @@ CASES = {
     "shape_small_vocab": ["vocab_size = 200 is too small", "use 259 or more"],
     "shape_odd_head_dim": ["head_dim 15 is odd", "make it even"],
     "invalid_toml": ["not valid TOML", "line 10", "fix the syntax"],
+    "devices_overlap": ['[[instances]] "cold-0": devices = [2, 3, 4, 5] overlap instance "hot-0" on GPUs 2 and 3',
+                        "give each instance its own GPUs, e.g. devices = [4, 5, 6, 7]"],
+    "devices_count": ["devices = [0] lists 1 GPU for tp = 2", "one GPU per rank, e.g. devices = [0, 1]"],
+    "devices_repeated": ["devices = [1, 1] names GPU 1 twice", "its own GPU"],
+    "devices_on_cpu": ["devices = [0] names GPUs, but this instance runs on the CPU", 'set device = "cuda"'],
+    "devices_negative": ["devices = [-1] has a negative entry", "devices = [0, 1]"],
+    "devices_not_ints": ['devices = ["cuda:0"] is an array of non-integers', "write an array of integers"],
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 from talaria.config.errors import ConfigError
 from talaria.config.loader import default_config_path, load_config
 from talaria.config.schema import SyntheticShape
+from talaria.config.tables import format_size
 from talaria.contracts.arch import ModelArch
 from talaria.models.synthetic import synthetic_arch
 from talaria.node.preflight import check_files, params_per_rank
@@ -133,3 +134,84 @@ def test_cpu_only_configs_never_import_torch(tmp_path: Path) -> None:
             f"check_files(load_config({str(path)!r})); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+
+
+def test_devices_past_the_gpus_torch_finds_are_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_gpus(monkeypatch, 4)
+    text = _minimal(instance='device = "cuda"\ntp = 2\n') + \
+        '\n[[instances]]\nname = "d"\npool = "cold"\nmodels = ["m"]\ndevice = "cuda"\ntp = 2\ndevices = [3, 4]\n'
+    with pytest.raises(ConfigError) as info:
+        check_files(load_config(_write(tmp_path, text)))
+    (line,) = info.value.problems
+    assert '"d": devices = [3, 4] names GPU 4 but torch finds 4 (0 to 3)' in line
+    assert "list GPUs that exist and no other instance has" in line
+
+
+def test_the_default_layout_is_checked_against_the_gpus_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two tp = 4 instances on a 4-GPU node: the second one's default GPUs 4-7 do not exist."""
+    _fake_gpus(monkeypatch, 4)
+    text = _minimal(instance='device = "cuda"\ntp = 4\n') + \
+        '\n[[instances]]\nname = "d"\npool = "cold"\nmodels = ["m"]\ndevice = "cuda"\ntp = 4\n'
+    with pytest.raises(ConfigError, match=r'"d": devices = \[4, 5, 6, 7\] names GPU 4, 5, 6 and 7 but torch finds 4'):
+        check_files(load_config(_write(tmp_path, text)))
+
+
+def test_gpus_that_exist_are_listed_per_instance(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_gpus(monkeypatch, 8)
+    text = _minimal(instance='device = "cuda"\ntp = 2\ndevices = [6, 7]\n')
+    info = check_files(load_config(_write(tmp_path, text)))
+    assert "cuda: 8 x Fake GPU" in info and 'instance "c": GPUs 6, 7' in info
+
+
+def test_devices_on_a_cpu_only_build_get_the_no_cuda_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(_write(tmp_path, _minimal(instance='device = "cuda"\ndevices = [3]\n')))
+    with pytest.raises(ConfigError) as info:
+        check_files(cfg)
+    (line,) = info.value.problems
+    assert 'device = "cuda" but torch finds no CUDA device' in line and 'set device = "cpu"' in line
+
+
+def test_host_memory_past_the_machines_ram_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    import psutil
+    ram = psutil.virtual_memory().total
+    cfg = load_config(_write(tmp_path, _minimal(instance='tp = 2\nhost_kv_bytes = "64TiB"\n')))
+    with pytest.raises(ConfigError) as info:
+        check_files(cfg)
+    (line,) = info.value.problems
+    arch = synthetic_arch(SyntheticShape())
+    image = params_per_rank(arch, 2) * 4  # fp32
+    per_rank = image + (64 << 40) + (1 << 30)  # image + host KV + the CPU arena (default 1 GiB)
+    assert f"the ranks would hold {format_size(2 * per_rank)} of host memory" in line
+    assert f"more than this machine's {format_size(ram)} of RAM" in line
+    assert f'"c" 2 ranks x (weight images {format_size(image)} + host KV 64 TiB + CPU arena 1 GiB)' in line
+    assert f"Free {format_size(2 * per_rank - ram)} or more" in line
+    assert 'on "c", lower its host_kv_bytes (per rank)' in line
+
+
+def test_the_largest_share_decides_what_to_lower_first() -> None:
+    from talaria.config.tables import Problems
+    from talaria.node.preflight import check_host_memory
+
+    cfg = load_config(default_config_path())
+    archs = {m.name: synthetic_arch(SyntheticShape()) for m in cfg.models}
+    probs, info = Problems("t.toml"), []
+    check_host_memory(cfg, archs, 1 << 20, probs, info)  # a 1 MiB machine: the 1.5 GiB CPU arena of hot-0 is most
+    (line,) = probs.lines
+    assert line.startswith("t.toml: [[instances]]: the ranks would hold")
+    assert line.endswith('on "hot-0", lower its arena_bytes (per rank)')
+    assert info == []
+
+
+def test_the_default_config_fits_and_says_how_much_it_holds() -> None:
+    info = check_files(load_config(default_config_path()))
+    (line,) = [x for x in info if x.startswith("host memory: ")]
+    assert "held by the ranks (weight images, host KV, CPU arenas) of" in line and line.endswith("RAM")
