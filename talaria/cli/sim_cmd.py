@@ -21,8 +21,8 @@ import click
 @click.option("--compare", default="talaria", show_default=True,
               help="Comma-separated variants: talaria, no-sp, no-hkvr, h2d-only, round-only, and router "
                    "policies full, session-sticky, least-pressure.")
-@click.option("--ttft-s", type=float, default=20.0, show_default=True,
-              help="Without --config: the cold instance's TTFT target (the paper does not give it).")
+@click.option("--ttft-s", type=float, default=10.0, show_default=True,
+              help="Without --config: the cold instance's TTFT target (10 s: the only figure the paper states).")
 @click.option("--tpot-s", type=float, default=0.2, show_default=True, help="Without --config: TPOT target.")
 @click.option("--gamma", type=float, default=0.8, show_default=True, help="Without --config: round margin.")
 @click.option("--instances", type=click.IntRange(1), default=1, show_default=True,
@@ -34,9 +34,12 @@ import click
 @click.option("--events", "events_path", type=click.Path(path_type=Path),
               help="Write the first variant's event log here (JSONL, the records a live node writes).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulated token streams.")
+@click.option("--prefill-base-s", type=click.FloatRange(0.0), default=None,
+              help="Give every model's prefill step this fixed cost instead of the profile's: the sensitivity "
+                   "check of profiles/README.md (paper-tp8's exact fit of the paper's recompute points: 2.1).")
 def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | None, compare: str, ttft_s: float, tpot_s: float,
         gamma: float, instances: int, lease_s: float | None, json_path: Path | None, plots_dir: Path | None,
-        events_path: Path | None, seed: int) -> None:
+        events_path: Path | None, seed: int, prefill_base_s: float | None) -> None:
     """Simulate a trace on a node: SCT, TTFT, switch paths, rounds and SP admissions per variant.
 
     The router, the round scheduler with session-prefill, the host KV registry and the stager are
@@ -56,6 +59,8 @@ def sim(profile_paths: tuple[Path, ...], trace_path: Path, config_path: Path | N
         for extra in profile_paths[1:]:
             for mp in load_profile(extra).models.values():
                 profile = profile.with_model(mp)
+        if prefill_base_s is not None:
+            profile = profile.with_prefill_base(prefill_base_s)
         trace = read_trace(trace_path)
         config = load_config(config_path) if config_path else profile_topology(profile, ttft_s, tpot_s, gamma,
                                                                                 instances)

@@ -114,6 +114,7 @@ class Profile:
     models: dict[str, ModelProfile]  # by model name
     sources: dict[str, str] = field(default_factory=dict)  # key -> where the number comes from
     schema: int = PROFILE_SCHEMA  # file layout version
+    host_bytes: int | None = None  # host memory of the machine the TP group runs on; None: not given
 
     def model(self, name: str) -> ModelProfile:
         if name not in self.models:
@@ -198,3 +199,10 @@ class Profile:
     def with_model(self, model: ModelProfile) -> Profile:
         """A copy with `model` added, or replacing the model of the same name."""
         return dataclasses.replace(self, models={**self.models, model.name: model})
+
+    def with_prefill_base(self, base_s: float) -> Profile:
+        """A copy in which one prefill step of any model has the fixed cost `base_s`: a sensitivity
+        check (profiles/README.md), never a calibration."""
+        models = {n: dataclasses.replace(m, prefill=dataclasses.replace(m.prefill, base_s=base_s))
+                  for n, m in self.models.items()}
+        return dataclasses.replace(self, models=models)

@@ -106,7 +106,7 @@ def parse_profile(text: str, origin: str = "<profile>") -> Profile:
         raise ProfileError(f"{origin}: profile.schema {have} but this Talaria reads schema "
                            f"{PROFILE_SCHEMA}; re-run `talaria profile` to regenerate the file")
     top = _Table(origin, "", raw, ("profile", "bandwidth", "models"))
-    head = top.sub("profile", ("schema", "hardware", "device", "tp", "device_bytes", "created",
+    head = top.sub("profile", ("schema", "hardware", "device", "tp", "device_bytes", "host_bytes", "created",
                                "method", "sources"))
     if head.text("device") not in DEVICES:
         head.fail("device", f"= {head.raw['device']!r} must be one of: {', '.join(DEVICES)}")
@@ -126,7 +126,7 @@ def parse_profile(text: str, origin: str = "<profile>") -> Profile:
         device_bytes=head.count("device_bytes", 1), created=created, method=head.text("method"),
         bandwidth=Bandwidth(*(bw.number(k, positive=True) for k in rates[:3]), restore),
         models={name: _parse_model(models, name) for name in models.raw},
-        sources=head.sources())
+        sources=head.sources(), host_bytes=head.count("host_bytes", 1) if "host_bytes" in head.raw else None)
 
 
 def _parse_model(models: _Table, name: str) -> ModelProfile:
@@ -174,6 +174,8 @@ def dump_profile(profile: Profile) -> str:
     head = {"schema": profile.schema, "hardware": profile.hardware, "device": profile.device,
             "tp": profile.tp, "device_bytes": profile.device_bytes, "created": profile.created,
             "method": profile.method}
+    if profile.host_bytes is not None:
+        head["host_bytes"] = profile.host_bytes
     if profile.sources:
         head["sources"] = dict(profile.sources)
     models = {}

@@ -230,12 +230,12 @@ class RoundScheduler:
             s.start = s.seg_start = now
             s.p_set = {seq.seq_id for seq in b.waiting} | {seq.seq_id for seq in b.running if seq.is_prefilling}
         owed = s.decode_steps < s.protected and bool(b.decoding)  # Eq. (4): reserved decode comes first
-        # Without a host KV registry, closing the slot throws away every running sequence's KV: a call
-        # longer than a slot would restart at every slot and never finish. Such a slot runs its running
-        # sequences to completion (admitting nothing new past its budget) and reports the overrun.
-        # With one, a prompt whose KV was lost before (no room on host, or evicted before it came back)
-        # could lose it again at every switch: it finishes its prefill here, which yields a token.
-        stranded = bool(b.running) and (b.host is None or any(self._must_finish(b, q) for q in b.running))
+        # Closing the slot preempts every running sequence; what the host KV registry cannot keep
+        # (there is none, it is full, or it evicts the pages before they come back) is recomputed.
+        # A prompt that has lost KV so once finishes its prefill in its next slot, budget or not,
+        # which yields a token: otherwise a call longer than a slot could restart at every slot and
+        # never finish. Everything else, decode included, stays within the slot's budget.
+        stranded = any(self._must_finish(q) for q in b.running)
         if s.steps and now - s.start >= s.budget_s and not owed and not stranded:
             return None
         if s.phase is Phase.P:
@@ -295,8 +295,8 @@ class RoundScheduler:
             if tokens <= 0:
                 break
             admitted = seq.status is SeqStatus.RUNNING
-            # a started prompt with nowhere to save its KV finishes here, budget or not (see _in_slot)
-            budget = math.inf if admitted and self._must_finish(b, seq) else left - cost
+            # a started prompt that lost KV before finishes here, budget or not (see _in_slot)
+            budget = math.inf if admitted and self._must_finish(seq) else left - cost
             n, c = self._fit(s.model, b, seq, budget, tokens, batched=bool(chunks))
             if n == 0 and phase is Phase.P and s.seg_steps == 0 and s.phase is Phase.P and not chunks:
                 n, c = self._fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
@@ -352,9 +352,9 @@ class RoundScheduler:
         return lo, cost(lo)
 
     @staticmethod
-    def _must_finish(b: Batcher, seq: Sequence) -> bool:
+    def _must_finish(seq: Sequence) -> bool:
         """A running prompt this slot must prefill to the end, budget or not (see _in_slot)."""
-        return seq.is_prefilling and (b.host is None or seq.lost_tokens > 0)
+        return seq.is_prefilling and seq.lost_tokens > 0
 
     def _eligible(self, s: Slot, b: Batcher, seq: Sequence) -> bool:
         """SP-eligible: a continuation of a session served here, arrived after P, with its prefix on

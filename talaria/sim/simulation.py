@@ -23,7 +23,7 @@ from talaria.contracts.call import (
     SamplingParams,
 )
 from talaria.contracts.events import Event, EventKind
-from talaria.contracts.profile import Profile
+from talaria.contracts.profile import Profile, ProfileError
 from talaria.contracts.trace import TraceCall, sessions
 from talaria.routing.decision import RouteRequest
 from talaria.routing.instance_view import InstanceView
@@ -69,6 +69,7 @@ class SimResult:
     virtual_s: float
     wall_s: float
     router: dict = field(default_factory=dict)
+    ttft_targets: dict[str, float] = field(default_factory=dict)  # instance -> its ttft_s
 
 
 class Simulation:
@@ -116,7 +117,8 @@ class Simulation:
         return SimResult(list(self.records.values()), sct, self.events, self.counts, self.switches, self.rounds,
                          hbm, self.clock(), time.perf_counter() - t0,
                          {**_router_summary(self.router),
-                          "model_residency_hit_rate": self.residency_hits / max(1, self.placements)})
+                          "model_residency_hit_rate": self.residency_hits / max(1, self.placements)},
+                         {i.name: i.ttft_s for i in self.config.instances})
 
     def _heartbeat(self) -> None:
         for name, inst in self.instances.items():
@@ -222,13 +224,30 @@ def _router_summary(router: Router) -> dict:
             "same_instance_returns": st.same_instance_returns, "avoidable_opens": st.avoidable_opens}
 
 
+FALLBACK_HOST_KV_BYTES = 200 << 30  # per rank, when the profile does not give the host's memory
+
+
+def host_kv_per_rank(profile: Profile) -> int:
+    """What the host holds for KV per rank once every model's weight image is pinned there (a cold
+    instance keeps one per rank for each of its models): the host's memory less those images, split
+    over the ranks. paper-tp8: (2 TB - 8 x 141.6 GB) / 8 = 108 GB."""
+    if profile.host_bytes is None:
+        return FALLBACK_HOST_KV_BYTES
+    images = profile.tp * sum(m.weights_bytes for m in profile.models.values())
+    if images >= profile.host_bytes:
+        raise ProfileError(f"profile ({profile.hardware}): the weight images of its models ({images / 1e9:.0f} GB "
+                           f"over {profile.tp} ranks) do not fit its host_bytes ({profile.host_bytes / 1e9:.0f} GB)")
+    return (profile.host_bytes - images) // profile.tp
+
+
 def profile_topology(profile: Profile, ttft_s: float, tpot_s: float, gamma: float, instances: int = 1) -> TalariaConfig:
     """The profile's own node: `instances` cold instances over every model, sized from the profile
-    (80% of device memory for the managed arena, paper App. E; 200 GiB of host KV per rank)."""
+    (80% of device memory for the managed arena, paper App. E; host KV per rank: `host_kv_per_rank`)."""
     from talaria.config.schema import Device, ModelConfig, Overload, Pool, RouterConfig
     insts = tuple(InstanceConfig(f"cold-{i}", Pool.COLD, tuple(profile.models), tp=profile.tp,
                                  device=Device(profile.device), arena_bytes=int(profile.device_bytes * 0.8),
-                                 page_size=64, max_batch_tokens=8192, max_running=256, host_kv_bytes=200 << 30,
+                                 page_size=64, max_batch_tokens=8192, max_running=256,
+                                 host_kv_bytes=host_kv_per_rank(profile),
                                  staging_chunk_bytes=512 << 20, ttft_s=ttft_s, tpot_s=tpot_s, gamma=gamma)
                   for i in range(instances))
     # the paper's node queues what it cannot admit yet: spill (to the least loaded instance) never rejects

@@ -13,7 +13,7 @@ import dataclasses
 from talaria.contracts.call import InstanceCall, SamplingParams
 from talaria.contracts.events import Event
 from talaria.instance.rounds import RoundConfig
-from tests.instance.scheduler_harness import DECODE_S, ROUNDS, instance
+from tests.instance.scheduler_harness import ROUNDS, instance
 
 T1 = tuple(range(100, 108))  # two full pages: a session's first prompt
 
@@ -192,19 +192,20 @@ def test_by_default_a_prefill_chunk_is_at_least_a_quarter_of_the_step_budget():
     assert inst.scheduler.rounds.min_chunk == 4  # never below a page
 
 
-def test_without_host_kv_a_slot_finishes_its_running_calls_rather_than_throw_their_kv_away():
-    """40 decode steps (2.5 s) outlast any slot of a 1 s round. With nowhere to save the KV, closing
-    the slot would preempt the call and recompute it at every slot; instead the slot overruns, the
-    call finishes in it, and the overrun is reported."""
+def test_without_host_kv_a_slot_keeps_its_budget_and_a_switched_out_call_is_recomputed():
+    """40 decode steps (2.5 s) outlast any slot of a 1 s round. Without a host KV registry the slot
+    still closes on its budget (as the paper's baselines do): the call loses its KV at the switch,
+    is recomputed (prompt and tokens so far, to the end, whatever its next slot's budget) and goes
+    on; b is served within the first round instead of after the long call."""
     inst = instance("a", "b", hkvr=False, extra_pages=16)
     outputs = inst.until_idle(arrivals={0.0: [call("long", range(200, 204), max_tokens=40),
                                                 call("other", range(300, 304), model="b", max_tokens=2)]})
     done = {o.request_id: o for o in outputs if o.finish is not None}
     assert done["long"].usage.completion_tokens == 40 and done["other"].usage.completion_tokens == 2
-    assert inst.scheduler.batchers["a"].preemptions == 0
+    a = inst.scheduler.batchers["a"]
+    assert a.preemptions >= 1 and a.lost_tokens > 0
     first_switch = next(e for e in inst.log() if e.kind.value == "switch")
-    assert first_switch.t >= 40 * DECODE_S  # b opened only after the long call was done
-    assert inst.scheduler.rounds.deadline_risk["round_over"] >= 1
+    assert first_switch.t < ROUNDS.round_s  # b opened in the first round, not after the long call
 
 
 def _three_models_in_short_rounds(thrash_k: float, host_slabs: int = 2):

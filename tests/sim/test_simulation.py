@@ -117,3 +117,24 @@ def test_at_a_short_ttft_target_talaria_never_loses_to_round_only():
     round_only = summary(Simulation(variant(config, "round-only"), profile, trace).run())
     assert len(trace) == 210
     assert talaria["sct_p50_s"] <= round_only["sct_p50_s"] and talaria["sct_p95_s"] <= round_only["sct_p95_s"]
+
+
+def test_host_kv_per_rank_is_the_hosts_memory_less_the_pinned_weight_images():
+    import pytest
+
+    from talaria.contracts.profile import ProfileError
+    from talaria.sim.simulation import FALLBACK_HOST_KV_BYTES, host_kv_per_rank
+
+    with_host = dataclasses.replace(PROFILE, host_bytes=10 << 30, tp=2)
+    images = 2 * sum(m.weights_bytes for m in PROFILE.models.values())
+    assert host_kv_per_rank(with_host) == ((10 << 30) - images) // 2
+    assert host_kv_per_rank(PROFILE) == FALLBACK_HOST_KV_BYTES  # the profile does not say
+    with pytest.raises(ProfileError, match="do not fit its host_bytes"):
+        host_kv_per_rank(dataclasses.replace(with_host, host_bytes=images))
+
+
+def test_ttft_attainment_is_the_share_of_calls_within_their_instances_target():
+    r = Simulation(CONFIG, PROFILE, agent_trace()).run()
+    ttfts = [c.ttft_s for c in r.calls]
+    assert summary(r)["ttft_attainment"] == sum(t <= INSTANCE.ttft_s for t in ttfts) / len(ttfts)
+    assert 0 < summary(r)["ttft_attainment"] <= 1
