@@ -39,7 +39,7 @@ from talaria.config.tables import (
     toml_value,
     unknown_key,
 )
-from talaria.contracts.arch import ModelArch
+from talaria.contracts.arch import MOE_FAMILIES, ModelArch
 
 _TOP = ("server", "models", "instances", "router", "telemetry")
 _PYPI = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -137,15 +137,22 @@ def tp_misfits(tp: int, arch: ModelArch) -> list[str]:
     """Why `tp` ranks cannot shard `arch` (empty when they can); callers fill in "{the}".
 
     Query heads and the MLP are split evenly. KV heads are split when tp divides them and
-    replicated (one per rank) when tp is a multiple of them, as vLLM and SGLang do.
+    replicated (one per rank) when tp is a multiple of them, as vLLM and SGLang do. MoE layers are
+    tensor-parallel inside each expert (docs/moe.md): tp splits every expert's width, whatever the
+    number of experts.
     """
     why = []
     if arch.num_heads % tp:
         why.append(f"does not divide {{the}} {arch.num_heads} query heads")
     if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
         why.append(f"neither divides nor is a multiple of {{the}} {arch.num_kv_heads} KV heads")
-    if arch.intermediate_size % tp:
+    dense = any(not arch.is_moe_layer(i) for i in range(arch.num_layers))
+    if dense and arch.intermediate_size % tp:
         why.append(f"does not divide {{the}} intermediate size {arch.intermediate_size}")
+    if arch.is_moe and arch.moe_intermediate_size % tp:
+        why.append(f"does not divide {{the}} expert width {arch.moe_intermediate_size} (moe_intermediate_size)")
+    if arch.shared_expert_intermediate_size % tp:
+        why.append(f"does not divide {{the}} shared expert width {arch.shared_expert_intermediate_size}")
     return why
 
 
@@ -202,6 +209,9 @@ def _shape_ok(shape: SyntheticShape, where: str, probs: Problems) -> bool:
     elif (shape.head_dim or shape.hidden_size // shape.num_heads) % 2:
         probs.add(where, f"head_dim {shape.head_dim or shape.hidden_size // shape.num_heads} is odd; "
                   "RoPE rotates pairs of channels, so make it even")
+    if shape.family in MOE_FAMILIES and shape.num_experts_per_tok > shape.num_experts:
+        probs.add(where, f"num_experts_per_tok = {shape.num_experts_per_tok} is more than num_experts = "
+                  f"{shape.num_experts}; route each token to at most {shape.num_experts} experts")
     return len(probs.lines) == before
 
 

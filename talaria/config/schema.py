@@ -97,7 +97,15 @@ class SyntheticShape:
     max_position: int = 2048
     head_dim: int | None = None  # default hidden_size // num_heads
     tie_word_embeddings: bool = False
-    family: str = "llama"  # llama | qwen2 (q/k/v bias) | qwen3 (q/k norm)
+    # llama | qwen2 (q/k/v bias) | qwen3 (q/k norm) | qwen3_moe (q/k norm, experts) | qwen2_moe (bias, experts
+    # and a shared expert)
+    family: str = "llama"
+    # MoE families only (docs/moe.md): routed experts per layer, experts per token, each expert's width
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 64  # qwen2_moe: the always-on shared expert's width
+    decoder_sparse_step: int = 1  # every this-many-th layer is MoE, the others dense (intermediate_size)
 
 
 class ToolParser(str, Enum):

@@ -1,7 +1,8 @@
-"""The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3 dense) on one TP shard.
+"""The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen2-/Qwen3-MoE) on one TP shard.
 
 Reads top to bottom like nanoGPT: embed -> N x (attention, MLP) -> norm -> LM head. Tokens of all
 sequences in a step are flattened into one batch of T rows; only attention looks at sequences.
+A layer's MLP is dense, or routed experts (talaria/executor/moe.py) in an MoE layer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from talaria.contracts.arch import ModelArch
 from talaria.executor.attention import AttentionMeta, paged_attention
 from talaria.executor.kv_cache import KVCache
+from talaria.executor.moe import moe_mlp
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.rope import rope_cos_sin
 from talaria.executor.weights import ModelWeights
@@ -82,8 +84,12 @@ class LlamaModel:
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
             x = x + self.group.all_reduce(F.linear(o.reshape(T, nh * hd), lw.o_proj))
             h = rms_norm(x, lw.post_norm, arch.rms_norm_eps)
-            gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # (T, I_local) each
-            x = x + self.group.all_reduce(F.linear(F.silu(gate) * up, lw.down))
+            if lw.router is not None:
+                mlp = moe_mlp(h, lw, arch)  # (T, H), partial over ranks
+            else:
+                gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # (T, I_local) each
+                mlp = F.linear(F.silu(gate) * up, lw.down)  # (T, H), partial over ranks
+            x = x + self.group.all_reduce(mlp)
         return rms_norm(x, self.w.norm, arch.rms_norm_eps)
 
     @torch.inference_mode()

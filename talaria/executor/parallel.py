@@ -4,6 +4,10 @@ Column-parallel linears split output features (q/k/v heads, gate/up rows); row-p
 split input features and all-reduce their outputs (o_proj, down_proj); the embedding and the LM
 head split the vocabulary. When tp exceeds the KV heads, KV heads are replicated (as vLLM and
 SGLang do): rank r keeps the one KV head its query heads attend to.
+
+Mixture-of-Experts layers are tensor-parallel inside each expert (docs/moe.md): every rank holds
+every expert's slice of the expert width and the full router, so all ranks route alike and the
+layer ends in the same one all-reduce as a dense MLP.
 """
 
 from __future__ import annotations
@@ -43,7 +47,22 @@ class Shard:
 
     @property
     def intermediate(self) -> int:
+        """Dense MLP width per rank."""
         return self.arch.intermediate_size // self.size
+
+    @property
+    def moe_intermediate(self) -> int:
+        """Each routed expert's width per rank."""
+        return self.arch.moe_intermediate_size // self.size
+
+    @property
+    def shared_intermediate(self) -> int:
+        """The shared expert's width per rank (Qwen2-MoE; 0 without one)."""
+        return self.arch.shared_expert_intermediate_size // self.size
+
+    def width_range(self, local: int) -> tuple[int, int]:
+        """This rank's columns of an MLP whose per-rank width is `local`."""
+        return self.rank * local, (self.rank + 1) * local
 
     @property
     def vocab(self) -> int:

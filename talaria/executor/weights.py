@@ -1,7 +1,8 @@
 """Load one rank's shard of a Llama-family checkpoint (HF safetensors names) into the arena.
 
 q/k/v are fused into one column-parallel matrix and gate/up into another, so a layer runs two
-matmuls where the checkpoint has five; shapes are per rank.
+matmuls where the checkpoint has five; shapes are per rank. An MoE layer's MLP holds its router
+and its experts instead (talaria/executor/moe.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from talaria.executor.arena import Arena, align_up
+from talaria.executor.moe import load_moe, moe_shapes
 from talaria.executor.parallel import Shard
 
 
@@ -26,8 +28,16 @@ class LayerWeights:
     k_norm: torch.Tensor | None  # (hd,)
     o_proj: torch.Tensor  # (H, heads * hd)
     post_norm: torch.Tensor  # (H,)
-    gate_up: torch.Tensor  # (2 * I_local, H)
-    down: torch.Tensor  # (H, I_local)
+    # a dense layer's MLP (None in an MoE layer)
+    gate_up: torch.Tensor | None = None  # (2 * I_local, H)
+    down: torch.Tensor | None = None  # (H, I_local)
+    # an MoE layer's MLP (None in a dense layer): E experts, top-k routing
+    router: torch.Tensor | None = None  # (E, H), replicated
+    experts_gate_up: torch.Tensor | None = None  # (E, 2 * Im_local, H): each expert's gate rows, then up rows
+    experts_down: torch.Tensor | None = None  # (E, H, Im_local)
+    shared_gate_up: torch.Tensor | None = None  # (2 * Is_local, H): Qwen2-MoE's shared expert
+    shared_down: torch.Tensor | None = None  # (H, Is_local)
+    shared_gate: torch.Tensor | None = None  # (1, H), replicated: sigmoid gate of the shared expert
 
 
 @dataclass(slots=True)
@@ -55,25 +65,36 @@ class _Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def slice(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def read_into(self, out: torch.Tensor, name: str, dim: int | None = None, start: int = 0,
+                  stop: int | None = None) -> None:
+        """Copy tensor `name`, or its [start, stop) along `dim`, into `out` (converting the dtype)."""
         path = self._file_of[name]
         if path not in self._open:
             self._open[path] = safe_open(path, framework="pt")
         sl = self._open[path].get_slice(name)
         if dim is None:
-            return sl[:]
-        return sl[start:stop] if dim == 0 else sl[:, start:stop]
+            out.copy_(sl[:])
+        else:
+            out.copy_(sl[(slice(None),) * dim + (slice(start, stop),)])
+
+
+def _layer_shapes(shard: Shard, layer: int) -> list[tuple[int, ...]]:
+    a, hd = shard.arch, shard.arch.head_dim
+    h, qkv = a.hidden_size, (shard.heads + 2 * shard.kv_heads) * hd
+    shapes = [(h,), (qkv, h), (h, shard.heads * hd), (h,)]
+    shapes += [(qkv,)] if a.attention_bias else []
+    shapes += [(hd,), (hd,)] if a.qk_norm else []
+    if a.is_moe_layer(layer):
+        return shapes + moe_shapes(shard)
+    return shapes + [(2 * shard.intermediate, h), (h, shard.intermediate)]
 
 
 def weight_shapes(shard: Shard) -> list[tuple[int, ...]]:
     """Shapes of every tensor `load_weights` allocates for this shard (their order does not matter)."""
-    a, hd = shard.arch, shard.arch.head_dim
-    h, qkv = a.hidden_size, (shard.heads + 2 * shard.kv_heads) * hd
-    layer = [(h,), (qkv, h), (h, shard.heads * hd), (h,), (2 * shard.intermediate, h), (h, shard.intermediate)]
-    layer += [(qkv,)] if a.attention_bias else []
-    layer += [(hd,), (hd,)] if a.qk_norm else []
+    a = shard.arch
     heads = 1 if a.tie_word_embeddings else 2  # an untied checkpoint may still lack lm_head: upper bound
-    return layer * a.num_layers + [(shard.vocab, h)] * heads + [(h,)]
+    layers = [s for i in range(a.num_layers) for s in _layer_shapes(shard, i)]
+    return layers + [(shard.vocab, a.hidden_size)] * heads + [(a.hidden_size,)]
 
 
 def weights_nbytes(shard: Shard, dtype: torch.dtype) -> int:
@@ -109,53 +130,62 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
     h0, h1 = shard.head_range
     k0, k1 = shard.kv_head_range
 
-    def put(parts: list[torch.Tensor], what: str) -> torch.Tensor:
-        rows = sum(p.shape[0] for p in parts)
-        out = arena.alloc((rows, *parts[0].shape[1:]), dtype, what=what)
+    def alloc(shape: tuple[int, ...], what: str) -> torch.Tensor:
+        return arena.alloc(shape, dtype, what=what)
+
+    def read(name: str, dim: int | None = None, start: int = 0, stop: int | None = None, *,
+             shape: tuple[int, ...], what: str) -> torch.Tensor:
+        out = alloc(shape, what)
+        ckpt.read_into(out, name, dim, start, stop)
+        return out
+
+    def stacked(parts: list[tuple[str, int, int]], tail: tuple[int, ...], what: str) -> torch.Tensor:
+        """Row ranges [a, b) of several tensors, one after another: a fused projection."""
+        out = alloc((sum(b - a for _, a, b in parts), *tail), what)
         row = 0
-        for part in parts:
-            out[row:row + part.shape[0]].copy_(part)
-            row += part.shape[0]
+        for name, a, b in parts:
+            ckpt.read_into(out[row:row + b - a], name, 0, a, b)
+            row += b - a
         return out
 
     def vocab_rows(name: str) -> torch.Tensor:
         v0, v1 = shard.vocab_range
-        rows = ckpt.slice(name, 0, v0, v1)
-        out = arena.alloc((shard.vocab, arch.hidden_size), dtype, what=name)
-        out.zero_()
-        out[: v1 - v0].copy_(rows)
+        out = alloc((shard.vocab, arch.hidden_size), name)
+        out[v1 - v0:].zero_()  # the last rank's padding rows
+        ckpt.read_into(out[: v1 - v0], name, 0, v0, v1)
         return out
 
+    h = arch.hidden_size
+    q, kv = (h0 * hd, h1 * hd), (k0 * hd, k1 * hd)
     layers = []
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        qkv = [ckpt.slice(a + "q_proj.weight", 0, h0 * hd, h1 * hd),
-               ckpt.slice(a + "k_proj.weight", 0, k0 * hd, k1 * hd),
-               ckpt.slice(a + "v_proj.weight", 0, k0 * hd, k1 * hd)]
-        bias = None
-        if arch.attention_bias:
-            bias = put([ckpt.slice(a + "q_proj.bias", 0, h0 * hd, h1 * hd),
-                        ckpt.slice(a + "k_proj.bias", 0, k0 * hd, k1 * hd),
-                        ckpt.slice(a + "v_proj.bias", 0, k0 * hd, k1 * hd)], a + "qkv_bias")
-        i0, i1 = shard.rank * shard.intermediate, (shard.rank + 1) * shard.intermediate
-        layers.append(LayerWeights(
-            input_norm=put([ckpt.slice(p + "input_layernorm.weight")], p + "input_layernorm"),
-            qkv=put(qkv, a + "qkv"),
-            qkv_bias=bias,
-            q_norm=put([ckpt.slice(a + "q_norm.weight")], a + "q_norm") if arch.qk_norm else None,
-            k_norm=put([ckpt.slice(a + "k_norm.weight")], a + "k_norm") if arch.qk_norm else None,
-            o_proj=put([ckpt.slice(a + "o_proj.weight", 1, h0 * hd, h1 * hd)], a + "o_proj"),
-            post_norm=put([ckpt.slice(p + "post_attention_layernorm.weight")], p + "post_attention_layernorm"),
-            gate_up=put([ckpt.slice(p + "mlp.gate_proj.weight", 0, i0, i1),
-                         ckpt.slice(p + "mlp.up_proj.weight", 0, i0, i1)], p + "gate_up"),
-            down=put([ckpt.slice(p + "mlp.down_proj.weight", 1, i0, i1)], p + "down_proj"),
-        ))
+        qkv = [(a + "q_proj.", *q), (a + "k_proj.", *kv), (a + "v_proj.", *kv)]
+        lw = LayerWeights(
+            input_norm=read(p + "input_layernorm.weight", shape=(h,), what=p + "input_layernorm"),
+            qkv=stacked([(n + "weight", x, y) for n, x, y in qkv], (h,), a + "qkv"),
+            qkv_bias=stacked([(n + "bias", x, y) for n, x, y in qkv], (), a + "qkv_bias")
+            if arch.attention_bias else None,
+            q_norm=read(a + "q_norm.weight", shape=(hd,), what=a + "q_norm") if arch.qk_norm else None,
+            k_norm=read(a + "k_norm.weight", shape=(hd,), what=a + "k_norm") if arch.qk_norm else None,
+            o_proj=read(a + "o_proj.weight", 1, *q, shape=(h, shard.heads * hd), what=a + "o_proj"),
+            post_norm=read(p + "post_attention_layernorm.weight", shape=(h,), what=p + "post_attention_layernorm"),
+        )
+        if arch.is_moe_layer(i):
+            for field, tensor in load_moe(ckpt, p + "mlp.", shard, alloc).items():
+                setattr(lw, field, tensor)
+        else:
+            i0, i1 = shard.width_range(shard.intermediate)
+            lw.gate_up = stacked([(p + "mlp.gate_proj.weight", i0, i1), (p + "mlp.up_proj.weight", i0, i1)],
+                                 (h,), p + "gate_up")
+            lw.down = read(p + "mlp.down_proj.weight", 1, i0, i1, shape=(h, shard.intermediate), what=p + "down_proj")
+        layers.append(lw)
     embed = vocab_rows("model.embed_tokens.weight")
     tied = arch.tie_word_embeddings or "lm_head.weight" not in ckpt
     return ModelWeights(
         embed=embed,
         layers=layers,
-        norm=put([ckpt.slice("model.norm.weight")], "model.norm"),
+        norm=read("model.norm.weight", shape=(h,), what="model.norm"),
         lm_head=embed if tied else vocab_rows("lm_head.weight"),
     )

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from talaria.config.schema import ModelConfig, SyntheticShape
-from talaria.contracts.arch import ModelArch
+from talaria.contracts.arch import ModelArch, UnsupportedArchitecture
 from talaria.models import gguf_convert, synthetic
 from talaria.models.conversion_cache import (
     ConversionCache,
@@ -42,8 +42,6 @@ from talaria.models.hf_dir import (
 )
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), called during conversion
-
-_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +143,10 @@ def _hf_arch(model: ModelConfig, directory: Path) -> ModelArch:
     except (OSError, ValueError) as e:
         raise ModelSourceError(f"model {model.name!r}: cannot read {directory / CONFIG} ({e}); "
                                "re-download the model") from None
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in _HF_MODEL_TYPES:
-        raise ModelSourceError(f"model {model.name!r}: model_type {model_type!r} is not supported; "
-                               f"Talaria serves {', '.join(_HF_MODEL_TYPES)} models")
     try:
         arch = ModelArch.from_hf_config(cfg)
+    except UnsupportedArchitecture as e:
+        raise ModelSourceError(f"model {model.name!r}: {e}") from None
     except KeyError as e:
         raise ModelSourceError(f"model {model.name!r}: {directory / CONFIG} lacks {e}; "
                                "re-download the model") from None

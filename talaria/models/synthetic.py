@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from talaria.config.schema import SyntheticShape
-from talaria.contracts.arch import FAMILIES, ModelArch
+from talaria.contracts.arch import FAMILIES, MOE_FAMILIES, ModelArch
 from talaria.models.byte_level import byte_level_bpe, bytes_to_unicode
 from talaria.models.errors import ModelSourceError
 from talaria.models.hf_dir import write_hf_dir
@@ -52,6 +52,10 @@ def synthetic_arch(shape: SyntheticShape) -> ModelArch:
     head_dim = shape.head_dim or shape.hidden_size // shape.num_heads
     if head_dim % 2:
         raise ModelSourceError(f"synthetic head_dim = {head_dim} is odd; RoPE needs an even head_dim")
+    moe = shape.family in MOE_FAMILIES
+    if moe and not 0 < shape.num_experts_per_tok <= shape.num_experts:
+        raise ModelSourceError(f"synthetic num_experts_per_tok = {shape.num_experts_per_tok} must be between 1 "
+                               f"and num_experts = {shape.num_experts}")
     return ModelArch(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
@@ -62,11 +66,17 @@ def synthetic_arch(shape: SyntheticShape) -> ModelArch:
         head_dim=head_dim,
         max_position=shape.max_position,
         tie_word_embeddings=shape.tie_word_embeddings,
-        attention_bias=shape.family == "qwen2",
-        qk_norm=shape.family == "qwen3",
+        attention_bias=shape.family in ("qwen2", "qwen2_moe"),
+        qk_norm=shape.family in ("qwen3", "qwen3_moe"),
         bos_token_id=BOS_ID,
         eos_token_ids=(EOS_ID,),
         family=shape.family,
+        num_experts=shape.num_experts if moe else 0,
+        num_experts_per_tok=shape.num_experts_per_tok if moe else 0,
+        moe_intermediate_size=shape.moe_intermediate_size if moe else 0,
+        shared_expert_intermediate_size=shape.shared_expert_intermediate_size if shape.family == "qwen2_moe" else 0,
+        norm_topk_prob=shape.family == "qwen3_moe",  # as each family's released checkpoints set it
+        decoder_sparse_step=shape.decoder_sparse_step if moe else 1,
     )
 
 
@@ -100,13 +110,32 @@ def synthetic_weights(arch: ModelArch, seed: int) -> dict[str, np.ndarray]:
             w[p + "self_attn.k_norm.weight"] = norm(arch.head_dim)
         w[p + "self_attn.o_proj.weight"] = linear(h, arch.q_size)
         w[p + "post_attention_layernorm.weight"] = norm(h)
-        w[p + "mlp.gate_proj.weight"] = linear(i, h)
-        w[p + "mlp.up_proj.weight"] = linear(i, h)
-        w[p + "mlp.down_proj.weight"] = linear(h, i)
+        if arch.is_moe_layer(layer):
+            w |= _moe_weights(arch, p + "mlp.", linear)
+        else:
+            w[p + "mlp.gate_proj.weight"] = linear(i, h)
+            w[p + "mlp.up_proj.weight"] = linear(i, h)
+            w[p + "mlp.down_proj.weight"] = linear(h, i)
     w["model.norm.weight"] = norm(h)
     if not arch.tie_word_embeddings:
         # N(0, 1) like the embedding, not 1/sqrt(fan_in): keeps logits well separated (module doc)
         w["lm_head.weight"] = rng.standard_normal((arch.vocab_size, h)).astype(np.float32)
+    return w
+
+
+def _moe_weights(arch: ModelArch, p: str, linear: Callable[[int, int], np.ndarray]) -> dict[str, np.ndarray]:
+    """One MoE layer's MLP, one tensor per expert (the layout transformers' save_pretrained writes)."""
+    h, m, s = arch.hidden_size, arch.moe_intermediate_size, arch.shared_expert_intermediate_size
+    w = {p + "gate.weight": linear(arch.num_experts, h)}
+    for e in range(arch.num_experts):
+        w[f"{p}experts.{e}.gate_proj.weight"] = linear(m, h)
+        w[f"{p}experts.{e}.up_proj.weight"] = linear(m, h)
+        w[f"{p}experts.{e}.down_proj.weight"] = linear(h, m)
+    if s:
+        w[p + "shared_expert.gate_proj.weight"] = linear(s, h)
+        w[p + "shared_expert.up_proj.weight"] = linear(s, h)
+        w[p + "shared_expert.down_proj.weight"] = linear(h, s)
+        w[p + "shared_expert_gate.weight"] = linear(1, h)
     return w
 
 

@@ -6,15 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from talaria.config.schema import ModelConfig, SyntheticShape
 from talaria.executor.arena import Arena
 from talaria.executor.parallel import Shard
 from talaria.executor.weights import load_weights, rebind, weights_nbytes
+from talaria.models.source import prepare_model
 from tests.tiny_models import tiny_files
 
+MOE_SHAPES = {  # dense layers between MoE ones (step 2); expert widths split over tp 2 and 4
+    "qwen3_moe": SyntheticShape(family="qwen3_moe", num_layers=3, decoder_sparse_step=2, moe_intermediate_size=16),
+    "qwen2_moe": SyntheticShape(family="qwen2_moe", num_layers=2, shared_expert_intermediate_size=24),
+}
 
-@pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 2), ("qwen3", 4)])
+
+@pytest.mark.parametrize("family,tp", [("llama", 1), ("qwen2", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen2_moe", 4)])
 def test_rebind_after_a_byte_copy_gives_the_same_parameters(model_cache, family, tp):
-    files = tiny_files(family, model_cache)
+    if family in MOE_SHAPES:
+        files = prepare_model(ModelConfig(name=family, source="synthetic:", dtype="float64",
+                                          shape=MOE_SHAPES[family]), None, model_cache)
+    else:
+        files = tiny_files(family, model_cache)
     shard = Shard(tp - 1, tp, files.arch)
     need = weights_nbytes(shard, torch.float64)
     host = Arena(need, "cpu")

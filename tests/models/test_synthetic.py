@@ -27,14 +27,21 @@ def test_same_seed_same_weights_different_seed_different_weights():
     assert all(w.dtype == np.float32 for w in a.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
 def test_family_and_tying_decide_the_tensors(family):
-    arch = synthetic_arch(SyntheticShape(family=family, tie_word_embeddings=True, head_dim=32))
+    arch = synthetic_arch(SyntheticShape(family=family, tie_word_embeddings=True, head_dim=32, decoder_sparse_step=2))
     w = synthetic_weights(arch, 0)
     assert "lm_head.weight" not in w
-    assert ("model.layers.0.self_attn.q_proj.bias" in w) == (family == "qwen2")
-    assert ("model.layers.1.self_attn.k_norm.weight" in w) == (family == "qwen3")
+    assert ("model.layers.0.self_attn.q_proj.bias" in w) == (family in ("qwen2", "qwen2_moe"))
+    assert ("model.layers.1.self_attn.k_norm.weight" in w) == (family in ("qwen3", "qwen3_moe"))
     assert w["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+    moe = family.endswith("_moe")  # layer 1 routes to 8 experts of width 32, layer 0 stays dense (step 2)
+    assert ("model.layers.1.mlp.experts.7.down_proj.weight" in w) == moe
+    assert ("model.layers.1.mlp.shared_expert_gate.weight" in w) == (family == "qwen2_moe")
+    assert "model.layers.0.mlp.gate_proj.weight" in w and ("model.layers.1.mlp.gate_proj.weight" in w) != moe
+    if moe:
+        assert w["model.layers.1.mlp.gate.weight"].shape == (8, 64)
+        assert w["model.layers.1.mlp.experts.0.gate_proj.weight"].shape == (32, 64)
     assert sum(t.size for t in w.values()) == arch.param_count()
 
 
@@ -45,6 +52,8 @@ def test_shape_errors_name_the_field():
         synthetic_arch(SyntheticShape(num_kv_heads=3))
     with pytest.raises(ModelSourceError, match="family = 'gpt2'"):
         synthetic_arch(SyntheticShape(family="gpt2"))
+    with pytest.raises(ModelSourceError, match="num_experts_per_tok = 3 must be between 1 and num_experts = 2"):
+        synthetic_arch(SyntheticShape(family="qwen3_moe", num_experts=2, num_experts_per_tok=3))
 
 
 def test_byte_tokenizer_ids_are_bytes_then_specials():
@@ -57,7 +66,7 @@ def test_byte_tokenizer_ids_are_bytes_then_specials():
     assert config["eos_token"] == "<|eos|>"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
 def test_transformers_loads_the_directory_with_well_separated_logits(tmp_path, family):
     import torch
     import transformers

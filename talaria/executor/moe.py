@@ -1,0 +1,114 @@
+"""The Mixture-of-Experts MLP (Qwen2-MoE, Qwen3-MoE) on one TP shard: shapes, loading, forward.
+
+Tensor-parallel inside each expert (docs/moe.md): a rank holds every expert's slice of the expert
+width, the shared expert's slice and the whole router. The hidden state is the same on every rank,
+so every rank routes every token alike; each computes its partial sum of the experts' outputs,
+and the caller's one all-reduce completes the layer, as for a dense MLP.
+
+Experts run batched by expert: the (token, expert) assignments are sorted by expert, and each
+expert that received tokens runs one gate/up and one down matmul over all of them.
+
+Checkpoints come in two layouts, both read here: one tensor per expert and projection
+(`mlp.experts.{e}.gate_proj.weight`, what transformers' save_pretrained writes by default) and
+transformers 5's fused tensors (`mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.experts.down_proj`
+(E, H, I), what it writes with `save_original_format=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from talaria.contracts.arch import ModelArch
+from talaria.executor.parallel import Shard
+
+Shape = tuple[int, ...]
+
+
+def moe_shapes(shard: Shard) -> list[Shape]:
+    """Arena tensors of one MoE layer's MLP on this shard (see `load_moe`)."""
+    a, h, im, ish = shard.arch, shard.arch.hidden_size, shard.moe_intermediate, shard.shared_intermediate
+    shapes: list[Shape] = [(a.num_experts, h), (a.num_experts, 2 * im, h), (a.num_experts, h, im)]
+    if a.shared_expert_intermediate_size:
+        shapes += [(2 * ish, h), (h, ish), (1, h)]
+    return shapes
+
+
+def load_moe(ckpt, prefix: str, shard: Shard, alloc: Callable[[Shape, str], torch.Tensor]) -> dict:
+    """One MoE layer's MLP into arena views from `alloc(shape, what)`, in `moe_shapes` order.
+
+    `ckpt.read_into(out, name, dim, start, stop)` copies a slice of a checkpoint tensor into `out`;
+    `prefix` is "model.layers.{i}.mlp.". Returns LayerWeights' MoE fields by name.
+    """
+    a, h, im = shard.arch, shard.arch.hidden_size, shard.moe_intermediate
+    i0, i1 = shard.width_range(im)
+    full = a.moe_intermediate_size
+    e = prefix + "experts."
+    router = alloc((a.num_experts, h), prefix + "gate")
+    ckpt.read_into(router, prefix + "gate.weight")
+    gate_up = alloc((a.num_experts, 2 * im, h), e + "gate_up")  # per expert: gate rows, then up rows
+    down = alloc((a.num_experts, h, im), e + "down")
+    if e + "gate_up_proj" in ckpt:  # fused: (E, 2I, H) and (E, H, I)
+        ckpt.read_into(gate_up[:, :im], e + "gate_up_proj", 1, i0, i1)
+        ckpt.read_into(gate_up[:, im:], e + "gate_up_proj", 1, full + i0, full + i1)
+        ckpt.read_into(down, e + "down_proj", 2, i0, i1)
+    else:
+        for x in range(a.num_experts):
+            ckpt.read_into(gate_up[x, :im], f"{e}{x}.gate_proj.weight", 0, i0, i1)
+            ckpt.read_into(gate_up[x, im:], f"{e}{x}.up_proj.weight", 0, i0, i1)
+            ckpt.read_into(down[x], f"{e}{x}.down_proj.weight", 1, i0, i1)
+    out = {"router": router, "experts_gate_up": gate_up, "experts_down": down}
+    if a.shared_expert_intermediate_size:
+        ish = shard.shared_intermediate
+        s0, s1 = shard.width_range(ish)
+        s = prefix + "shared_expert."
+        out["shared_gate_up"] = alloc((2 * ish, h), s + "gate_up")
+        ckpt.read_into(out["shared_gate_up"][:ish], s + "gate_proj.weight", 0, s0, s1)
+        ckpt.read_into(out["shared_gate_up"][ish:], s + "up_proj.weight", 0, s0, s1)
+        out["shared_down"] = alloc((h, ish), s + "down")
+        ckpt.read_into(out["shared_down"], s + "down_proj.weight", 1, s0, s1)
+        out["shared_gate"] = alloc((1, h), prefix + "shared_expert_gate")
+        ckpt.read_into(out["shared_gate"], prefix + "shared_expert_gate.weight")
+    return out
+
+
+def route(h: torch.Tensor, router: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts of each token and their weights: (T, k) ids, (T, k) weights in h's dtype.
+
+    The softmax runs in float32 whatever the weights' dtype, as transformers and vLLM do: routing
+    decisions then match the checkpoint's reference implementation bit for bit.
+    """
+    probs = F.linear(h, router).softmax(dim=-1, dtype=torch.float32)  # (T, E)
+    weights, experts = probs.topk(arch.num_experts_per_tok, dim=-1)  # (T, k) each
+    if arch.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(h.dtype)
+
+
+def moe_mlp(h: torch.Tensor, lw, arch: ModelArch) -> torch.Tensor:
+    """h: (T, H) normed hidden states -> (T, H), this rank's partial sum (all-reduce to finish)."""
+    T, H = h.shape
+    k = arch.num_experts_per_tok
+    experts, weights = route(h, lw.router, arch)  # (T, k)
+    flat = experts.flatten()  # (T k,): assignment j is token j // k's (j % k)-th expert
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=arch.num_experts).tolist()  # assignments per expert
+    x = h[order // k]  # (T k, H): each assignment's token, grouped by expert
+    y = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts):  # one matmul pair per expert with tokens, over all of them
+        if n:
+            gate, up = F.linear(x[start:start + n], lw.experts_gate_up[e]).chunk(2, dim=-1)  # (n, I_local) each
+            torch.matmul(F.silu(gate) * up, lw.experts_down[e].t(), out=y[start:start + n])  # (n, H)
+            start += n
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)  # sorted position of each assignment
+    y = y[back].view(T, k, H)  # (T, k, H): back in token order
+    out = torch.bmm(weights.unsqueeze(1), y).squeeze(1)  # (T, H): the router-weighted sum of each token's k
+    if lw.shared_gate_up is not None:  # Qwen2-MoE: every token also runs the shared expert, gated
+        gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
+        shared = F.linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
+        out += torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # the gate (T, 1) is replicated
+    return out
