@@ -56,10 +56,24 @@ def summary(r: SimResult) -> dict:
         "sp_admission_rate": admitted / (admitted + parked) if admitted + parked else 0.0,
         "rounds": len(rounds),
         "round_mean": {k: mean(k) for k in ("wall_s", "active_s", "switch_s", "p_s", "d_s", "sp_s")},
+        "warm_across_switch": warm_across_switch(r),
         "hbm_peak_gib": r.hbm_peak_bytes / (1 << 30),
         "router": r.router,
         "virtual_s": r.virtual_s, "wall_s": r.wall_s,
     }
+
+
+def warm_across_switch(r: SimResult) -> dict:
+    """Continuations whose model was switched out during their tool gap, beside those whose model
+    stayed resident: how many, their TTFT p50/p95 and the share of their prompts served from KV."""
+    out = {}
+    for name, switched in (("switched_out", True), ("resident", False)):
+        calls = [c for c in r.calls if c.index and c.ttft_s is not None and c.switched_out is switched]
+        prompt = sum(c.prompt_tokens for c in calls)
+        out[name] = {"calls": len(calls), "ttft_p50_s": nearest_rank([c.ttft_s for c in calls], 50),
+                     "ttft_p95_s": nearest_rank([c.ttft_s for c in calls], 95),
+                     "prefix_hit_share": sum(c.cached_tokens for c in calls) / prompt if prompt else math.nan}
+    return out
 
 
 def table(results: dict[str, dict]) -> str:

@@ -51,6 +51,9 @@ class CallRecord:
     done: float | None = None
     instance: str | None = None
     error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from device KV or restored from host
+    switched_out: bool = False  # a continuation whose model its instance switched away from during its tool gap
 
     @property
     def ttft_s(self) -> float | None:
@@ -98,6 +101,7 @@ class Simulation:
         self._context: dict[str, list[int]] = {}  # session -> its last prompt + output tokens
         self._outputs_of: dict[str, list[int]] = {}
         self._rng: dict[str, random.Random] = {}
+        self._left_at: dict[tuple[str, str], float] = {}  # (instance, model) -> when a switch last took it off
         self._left = len(self.sessions)
 
     # ---- running ----------------------------------------------------------------------------
@@ -146,10 +150,14 @@ class Simulation:
             self._next(call, self.clock())
             return
         self.router.sent(decision.instance)
-        self.records[req.request_id].instance = decision.instance
+        record = self.records[req.request_id]
+        record.instance = decision.instance
+        if call.index:  # warm across a switch? its model left the instance after the previous call ended
+            previous = self.records[f"{call.session}#{call.index - 1}"]
+            left = self._left_at.get((decision.instance, call.model))
+            record.switched_out = left is not None and previous.done is not None and left > previous.done
         self._pending[req.request_id] = (call, prompt, req)
         sampling = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-        record = self.records[req.request_id]
         self.instances[decision.instance].add(InstanceCall(req.request_id, call.model, tuple(prompt), sampling,
                                                            call.session, enqueue_time=record.intended))
 
@@ -176,6 +184,8 @@ class Simulation:
             call, prompt, req = self._pending.pop(out.request_id)
             generated = self._outputs_of.pop(out.request_id, [])
             rec.done = now
+            if out.usage is not None:
+                rec.prompt_tokens, rec.cached_tokens = out.usage.prompt_tokens, out.usage.cached_tokens
             if out.finish is FinishReason.ERROR:
                 rec.error = out.error
             self.router.finished(inst.name)
@@ -199,6 +209,8 @@ class Simulation:
             self.counts[kind.value] = self.counts.get(kind.value, 0) + 1
             if kind is EventKind.SWITCH:
                 self.switches.append({"path": e.data["path"], "total_ms": e.data["total_ms"], "t": e.t})
+                if e.data.get("from_model") is not None:
+                    self._left_at[(e.instance, e.data["from_model"])] = e.t
             elif kind is EventKind.ROUND:
                 self.rounds.append(e.data)
             elif kind is EventKind.ROUTE and e.data.get("target") is not None:

@@ -138,3 +138,14 @@ def test_ttft_attainment_is_the_share_of_calls_within_their_instances_target():
     ttfts = [c.ttft_s for c in r.calls]
     assert summary(r)["ttft_attainment"] == sum(t <= INSTANCE.ttft_s for t in ttfts) / len(ttfts)
     assert 0 < summary(r)["ttft_attainment"] <= 1
+
+
+def test_a_session_stays_warm_across_a_switch_only_with_host_kv():
+    """3 s tool gaps: the other model's slot comes between every two calls of a session. With the
+    host KV registry a switched-out session's prefix comes back from host; without, it is recomputed."""
+    trace = [dataclasses.replace(c, gap_s=3.0) if c.index else c for c in agent_trace()]
+    on = summary(Simulation(CONFIG, PROFILE, trace).run())["warm_across_switch"]["switched_out"]
+    off = summary(Simulation(variant(CONFIG, "no-hkvr"), PROFILE, trace).run())["warm_across_switch"]["switched_out"]
+    assert on["calls"] > 0 and off["calls"] > 0
+    assert on["prefix_hit_share"] > 0.75 and off["prefix_hit_share"] == 0.0
+    assert on["ttft_p50_s"] < off["ttft_p50_s"]
