@@ -13,6 +13,17 @@ A candidate must also pass the round-admission check (the call would start withi
 rounds, or `max_queue_s` on a hot instance; a call with nothing ahead of it always passes) and the
 HBM check (its KV fits the pool). A replica (an instance that must open a model another instance
 holds) is worth it only when its gain beats `T_swap + mu * dW + nu` (Eq. (2)).
+
+A call that opens a session (`RouteRequest.new_session`, overload = "sessions") is charged, as its
+queue, at least what the sessions already admitted there will hold it back by (`InstanceView.load`:
+their calls held or running and the next calls of those in tool gaps, each by at most the call's
+own prefill: processor sharing, talaria/routing/session_load.py), must start within the instance's
+TTFT target rather than the round-admission bound, and must leave every admitted session's prefix
+room in the KV pool. `work_s` prices one call for that load.
+
+Every price is the profile's, scaled by what the instance measured against it
+(`InstanceStats.cost_scale`: its EWMA of measured / profile-priced prefill and decode), so a
+machine slower than its profile (other load, a profile taken elsewhere) is not overcommitted.
 """
 
 from __future__ import annotations
@@ -44,6 +55,9 @@ class Terms:
     slot_wait_s: float  # a cold instance where the model is not active: the rest of the round
     free_pages: int  # KV pages the model's pool has free
     admit_s: float  # round admission: the latest start a call may be predicted to have
+    ttft_s: float  # a new session's first call must start within this: the TTFT target (else admit_s)
+    prefill_scale: float  # measured / profile-priced, from the snapshot's cost_scale (1: as priced)
+    decode_scale: float
 
 
 @dataclass(slots=True)
@@ -93,7 +107,10 @@ class PlacementCosts:
             wait = s.rounds.round_remaining_s if (s.rounds is not None and not active) else 0.0
             free = s.kv_pages_total - (s.kv_pages_used if active else 0)
             admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
-            t = view.terms[model] = Terms(mp, active, staged, c_act, wait, free, admit)
+            scale = s.cost_scale
+            t = view.terms[model] = Terms(mp, active, staged, c_act, wait, free, admit,
+                                          admit if view.ttft_s is None else view.ttft_s,
+                                          scale.get(f"{model}/prefill", 1.0), scale.get(f"{model}/decode", 1.0))
         return t
 
     def cost(self, view: InstanceView, req: RouteRequest, last: LastCall | None, mean_prompt: int) -> Cost | None:
@@ -108,28 +125,71 @@ class PlacementCosts:
             reusable = min(last.kv_tokens, max(0, req.prompt_tokens - 1))
             if last.instance == view.name:
                 kv = self.location(view, req, last.done_at)
+        p_scale = t.prefill_scale
         if kv is DEVICE:
             c_kv = 0.0
         elif kv is HOST:
-            c_kv = view.profile.restore_s(req.model, reusable)
+            c_kv = view.profile.restore_s(req.model, reusable) * p_scale
         else:
-            c_kv = mp.prefill.seconds(reusable)
+            c_kv = mp.prefill.seconds(reusable) * p_scale
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
-        queue = ahead * mp.prefill.seconds(mean_prompt) + t.slot_wait_s
+        queue = ahead * mp.prefill.seconds(mean_prompt) * p_scale + t.slot_wait_s
         batch = view.snapshot.running + 1
-        decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens)
-        prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable)
+        decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens) * t.decode_scale
+        prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable) * p_scale
+        if req.new_session and view.load is not None:  # two estimates of what holds it back: the snapshot's
+            queue = max(queue, view.load.ahead_s(prefill + c_kv))  # queue, the admitted sessions' (tool gaps too)
         return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
                     queue + prefill + decode + c_kv + t.c_act_s)
 
+    def work_s(self, view: InstanceView, model: str, prompt_tokens: int, reusable: int, max_tokens: int,
+               footprint_tokens: int = 0) -> float | None:
+        """Seconds of `view`'s time one call of `prompt_tokens` takes, `reusable` of them a kept prefix,
+        with `max_tokens` out: what an admitted session charges its instance (talaria/routing/session_load.py).
+
+        Its prefill past the prefix, and its share of `max_tokens` decode steps: the per-sequence and
+        per-context terms only, as a step's fixed cost is paid once whatever the batch. When the
+        admitted sessions' prefixes (`footprint_tokens`) outgrow the model's KV pool, they cannot all
+        stay resident: the call is charged a full prefill. None while the instance has no snapshot or
+        profile, or no price for the model."""
+        if view.snapshot is None or view.profile is None:
+            return None
+        t = self.terms(view, model)
+        if t is None:
+            return None
+        pool = view.snapshot.kv_pages_total * view.snapshot.page_size
+        if pool and footprint_tokens > pool:
+            reusable = 0
+        reusable = min(reusable, max(0, prompt_tokens - 1))
+        mp = t.model
+        prefill = mp.prefill.seconds(prompt_tokens - reusable, reusable)
+        decode = max_tokens * (mp.decode.seconds(1, prompt_tokens) - mp.decode.base_s)
+        return prefill * t.prefill_scale + decode * t.decode_scale
+
     def admits(self, view: InstanceView, req: RouteRequest, cost: Cost) -> bool:
         """Round admission (the call starts within `admit_rounds` rounds, or `max_queue_s` on a hot
-        instance) and HBM (its KV fits what the model's pool has free). A call with nothing ahead of
-        it is not refused for its own length: it could start no sooner on a retry."""
-        t = view.terms[req.model]
-        if cost.start_s > t.admit_s and cost.queue_s > 0:
+        instance; a new session's first call within the TTFT target) and HBM (its KV fits what the
+        model's pool has free; a new session's also beside every admitted session's prefix). A call
+        with nothing ahead of it is not refused for its own length: it could start no sooner on a retry."""
+        if self.excess_s(view, req, cost) > 0:
             return False
-        return -(-(req.prompt_tokens + req.max_tokens) // max(1, view.snapshot.page_size)) <= t.free_pages
+        page = max(1, view.snapshot.page_size)
+        need = req.prompt_tokens + req.max_tokens
+        t = view.terms[req.model]
+        pool = view.snapshot.kv_pages_total * page  # a new session leaves the admitted sessions' prefixes room
+        if req.new_session and pool and cost.queue_s > 0 and view.load is not None \
+                and view.load.kv.get(req.model, 0) + need > pool:
+            return False
+        return -(-need // page) <= t.free_pages
+
+    def excess_s(self, view: InstanceView, req: RouteRequest, cost: Cost) -> float:
+        """How far past its admission bound the call's predicted start is (0: within it): about how
+        long until this instance would admit it, what a held call's patience and a 429's Retry-After
+        are sized from."""
+        t = view.terms[req.model]
+        if cost.queue_s <= 0:
+            return 0.0
+        return max(0.0, cost.start_s - (t.ttft_s if req.new_session else t.admit_s))
 
     def replica_price(self, view: InstanceView, model: str, cost: Cost) -> float:
         """T_swap + mu_j * dW_m + nu_m (Eq. (2)): what opening `model` on this instance must beat."""

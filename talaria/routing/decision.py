@@ -32,6 +32,10 @@ class RouteRequest:
     max_tokens: int
     request_id: str = ""
     tenant: str = "default"  # whose call (talaria/gateway/auth.py): overload = "sessions" sheds fairly among tenants
+    # overload = "sessions": the call opens a session (none of its calls placed within session_ttl_s); it is
+    # admitted only where its first call would start within the instance's TTFT target with the load of
+    # the sessions already admitted there counted ahead of it (talaria/routing/session_load.py)
+    new_session: bool = False
 
 
 @dataclass(slots=True)
@@ -40,9 +44,10 @@ class RouteDecision:
 
     instance: str | None  # None: rejected by the overload policy
     reason: Reason
-    cost: Cost | None = None
+    cost: Cost | None = None  # the chosen candidate's; on overload, the candidate that came closest to admitting it
     candidates: int = 0  # instances that passed both checks
     avoidable_open: bool = False  # the chosen instance opens a model another instance holds
     lease: Lease | None = None  # the lease consumed
     overload: str | None = None  # the overload policy applied (or why a queued call gave up)
     same_instance: bool | None = None  # a returning session went back to its last instance (None: new)
+    wait_s: float | None = None  # overload: predicted seconds until the closest candidate admits the call

@@ -18,6 +18,7 @@ from talaria.contracts.vocabulary import KVLocation
 
 if TYPE_CHECKING:
     from talaria.routing.costs import Terms
+    from talaria.routing.session_load import InstanceLoad
 
 
 @dataclass(slots=True)
@@ -36,4 +37,8 @@ class InstanceView:
     # (session, model) -> (kv_tokens, location) of the snapshot's entry for it
     listed: dict[tuple[str, str], tuple[int, KVLocation]] = field(default_factory=dict)
     holds: frozenset[str] = frozenset()  # models active, staged or with work here
+    ttft_s: float | None = None  # its TTFT target (a local instance's config); None for a peer's: unknown
+    # the sessions admitted here: their calls held or running, the next calls of those in tool gaps, their
+    # prefixes (talaria/routing/session_load.py); set by the gateway's dispatcher, None elsewhere (simulator)
+    load: InstanceLoad | None = None
     terms: dict[str, Terms] = field(default_factory=dict)  # model -> its call-independent cost terms

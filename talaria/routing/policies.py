@@ -44,10 +44,16 @@ class FullPolicy:
             last = router.sessions.get(req.session, req.model, now)
         fresh = router.fresh(req.model, now)
         feasible = []
-        best_holder = None
+        best_holder = closest = None
+        wait = 0.0
         for view in fresh:
             cost = costs.cost(view, req, last, router.mean_prompt)
-            if cost is None or not costs.admits(view, req, cost):
+            if cost is None:
+                continue
+            if not costs.admits(view, req, cost):
+                excess = costs.excess_s(view, req, cost)
+                if closest is None or excess < wait:
+                    closest, wait = cost, excess
                 continue
             feasible.append((view, cost))
             if not cost.opens and (best_holder is None or cost.total_s < best_holder.total_s):
@@ -62,7 +68,7 @@ class FullPolicy:
             if best is None or (cost.total_s, cost.instance) < (best.total_s, best.instance):
                 best = cost
         if best is None:
-            return router.overload(req)
+            return router.overload(req, closest, wait if closest is not None else None)
         opens_held = best.opens and held
         return RouteDecision(best.instance, Reason.REPLICA if opens_held else Reason.RANKED, best, len(feasible),
                              opens_held)

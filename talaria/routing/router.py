@@ -15,7 +15,9 @@ snapshot. A call is placed by the configured policy (talaria/routing/policies.py
    replica decision, allowed only when `gain > T_swap + mu * dW + nu` (Eq. (2)), where gain is what
    it saves over the best instance holding the model.
 4. **Overload.** No candidate: the configured policy answers (reject with 429, queue, or spill to
-   the least loaded instance anywhere, peers included).
+   the least loaded instance anywhere, peers included). Under `sessions`, the gateway
+   (talaria/routing/dispatcher.py) marks calls that open a session: they are admitted against the
+   load of the sessions already admitted, tool gaps included (talaria/routing/session_load.py).
 
 The comparison policies of §5.3 (`least-pressure`, `session-sticky`) use the same views. Time
 comes from the injected clock; every decision carries its reason and cost terms for the event log.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from talaria.config.schema import Overload, RouterConfig
 from talaria.contracts.events import EventKind
 from talaria.contracts.telemetry import InstanceStats
-from talaria.routing.costs import LOCATIONS, MISSING, PlacementCosts
+from talaria.routing.costs import LOCATIONS, MISSING, Cost, PlacementCosts
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.leases import Lease, LeaseTable
@@ -119,14 +121,26 @@ class Router:
 
         A lease hit is the hot path: it reads the lease and the instance's listing of the session,
         nothing else (the lease says where the session's last call finished and when)."""
-        now = self.clock()
-        self.local_only = local
-        leases, stats = self.leases, self.stats
-        leases.sweep(now)
+        self.arrived(req)
+        decision = self.decide(req, local)
+        self.record(req, decision)
+        return decision
+
+    def arrived(self, req: RouteRequest) -> None:
+        """A call arrived: its prompt joins the model's mean (what each call queued ahead is charged)."""
         means = self._mean_prompt
         m = means.get(req.model)
-        m = means[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
-        self.mean_prompt = int(m)
+        means[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
+
+    def decide(self, req: RouteRequest, local: bool = False) -> RouteDecision:
+        """`route` without its bookkeeping: for a call held at the gateway asking again, which is
+        counted (`record`) once, when it is placed or gives up, and does not move the mean prompt.
+        A live lease is still consumed or discarded on the first ask."""
+        now = self.clock()
+        self.local_only = local
+        leases = self.leases
+        leases.sweep(now)
+        self.mean_prompt = int(self._mean_prompt.get(req.model, req.prompt_tokens))
         lease = last = None
         if req.session is not None:
             lease = leases.get(req.session, req.model)
@@ -134,9 +148,15 @@ class Router:
                 last = self.sessions.get(req.session, req.model, now)
         decision = self._policy.place(self, req, now, lease, last)
         previous = lease.instance if lease is not None else last.instance if last is not None else None
-        same = None
         if previous is not None:
-            same = decision.same_instance = decision.instance == previous
+            decision.same_instance = decision.instance == previous
+        return decision
+
+    def record(self, req: RouteRequest, decision: RouteDecision) -> None:
+        """Count a decision in the statistics and emit its route event."""
+        stats = self.stats
+        same = decision.same_instance
+        if same is not None:
             stats.returns += 1
             stats.same_instance_returns += same
         if decision.avoidable_open:
@@ -147,9 +167,9 @@ class Router:
             self.emit(EventKind.ROUTE, request=req.request_id, session=req.session, model=req.model,
                       target=decision.instance, reason=decision.reason.value, candidates=decision.candidates,
                       same_instance=same, avoidable_open=decision.avoidable_open, overload=decision.overload,
+                      new_session=req.new_session, wait_s=decision.wait_s,
                       cost=None if c is None else {"total_s": c.total_s, "delta_r_s": c.delta_r_s, "c_kv_s": c.c_kv_s,
                                                     "c_act_s": c.c_act_s, "kv": c.kv, "opens": c.opens})
-        return decision
 
     def telemetry(self) -> dict:
         """Counters and live leases (with seconds left), for the dashboard and operators."""
@@ -170,15 +190,17 @@ class Router:
 
     # ---- what the policies ask ------------------------------------------------------------------
 
-    def overload(self, req: RouteRequest) -> RouteDecision:
-        """No candidate passed the checks: the configured overload policy decides."""
+    def overload(self, req: RouteRequest, closest: Cost | None = None, wait_s: float | None = None) -> RouteDecision:
+        """No candidate passed the checks: the configured overload policy decides. `closest`: the
+        candidate nearest to admitting the call, `wait_s` how far it is (for the gateway's hold and
+        Retry-After); None when no candidate could be priced."""
         policy = self.config.overload
         if policy is Overload.SPILL:
             views = self.serving(req.model)
             if views:
                 best = min(views, key=lambda v: (v.node is None, v.in_flight, v.name))  # peers first
                 return RouteDecision(best.name, Reason.OVERLOAD, overload=policy.value)
-        return RouteDecision(None, Reason.OVERLOAD, overload=policy.value)
+        return RouteDecision(None, Reason.OVERLOAD, closest, overload=policy.value, wait_s=wait_s)
 
     def serving(self, model: str) -> list[InstanceView]:
         """Healthy instances serving `model` (only this node's for a forwarded call)."""

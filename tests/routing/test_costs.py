@@ -1,0 +1,86 @@
+"""`talaria.routing.costs` for sessions: a new session is charged the load of the sessions admitted
+before it and must start within the TTFT target and leave their prefixes room; what one call of an
+admitted session is priced at; the instance's measured cost scale. Toy profile of the router tests
+(prefill 1 ms per token; decode 10 ms a step, nothing per sequence), one cold instance whose rounds
+last 10 s (round admission: 20 s), a pool of 1,000 pages of 16 tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from talaria.contracts.profile import DecodeCurve
+from talaria.routing.decision import Reason, RouteRequest
+from talaria.routing.session_load import InstanceLoad
+from tests.routing.test_router import PROFILE, Clock, router, snapshot
+
+
+def new(prompt: int = 500, session: str = "new") -> RouteRequest:
+    return RouteRequest("m", session, prompt, 1, "r", new_session=True)
+
+
+def one(*works: float, ttft_s: float | None = 2.0, **snap):
+    """A router over one instance "a" whose admitted sessions' calls are predicted at `works` seconds."""
+    r, _ = router(("a", snapshot("a", **snap)), clock=Clock())
+    view = r.views["a"]
+    view.ttft_s, view.load = ttft_s, InstanceLoad()
+    view.load.work.update({(f"s{i}", "m"): w for i, w in enumerate(works)})
+    return r, view
+
+
+def test_a_new_session_is_held_back_by_the_admitted_sessions_within_the_ttft_target():
+    r, view = one(0.3, 0.4, 30.0)  # its 0.5 s prefill waits 0.3 + 0.4 + 0.5 (a long decode: a prefill's worth)
+    d = r.route(new())
+    assert (d.instance, d.cost.queue_s, d.cost.start_s) == ("a", pytest.approx(1.2), pytest.approx(1.7))
+    view.load.work[("s3", "m")] = 2.0  # one more session, in its tool gap: 2.2 s before it could start
+    d = r.route(new())
+    assert (d.instance, d.reason) == (None, Reason.OVERLOAD)
+    assert d.cost.instance == "a" and d.wait_s == pytest.approx(0.2)
+    returning = RouteRequest("m", "old", 500, 1, "r")  # an admitted session's call: round admission only
+    assert r.route(returning).instance == "a"
+
+
+def test_a_new_session_is_charged_the_larger_of_the_snapshot_queue_and_the_session_load():
+    r, _ = one(0.3, waiting=1)  # one call of the mean prompt (500 tokens) waits: 0.5 s
+    assert r.route(new()).cost.queue_s == pytest.approx(0.5)
+
+
+def test_without_a_ttft_target_a_new_session_gets_the_round_admission_bound():
+    r, _ = one(*[1.0] * 30, ttft_s=None)  # a peer's instance: its target is not known here
+    assert r.route(new()).instance == "a"  # 15.5 s, within two rounds of 10 s
+    r, _ = one(*[1.0] * 40, ttft_s=None)
+    assert r.route(new()).wait_s == pytest.approx(0.5)
+
+
+def test_a_new_session_leaves_the_admitted_sessions_prefixes_room_in_the_pool():
+    r, view = one(0.5)
+    view.load.kv["m"] = 16_000 - 501  # 1,000 pages of 16 tokens; it needs 500 + 1
+    assert r.route(new()).instance == "a"
+    view.load.kv["m"] = 16_000 - 500
+    assert r.route(new()).instance is None
+    assert r.route(RouteRequest("m", "old", 500, 1, "r")).instance == "a"  # the HBM check alone
+    view.load.work.clear()  # nothing ahead of it: not refused for its own size
+    assert r.route(new()).instance == "a"
+
+
+def test_prices_are_scaled_by_what_the_instance_measured():
+    r, _ = router(("a", dataclasses.replace(snapshot("a"), cost_scale={"m/prefill": 2.0, "m/decode": 3.0})),
+                  clock=Clock())
+    cost = r.route(RouteRequest("m", "s", 500, 1, "r")).cost
+    assert (cost.prefill_s, cost.decode_s) == (pytest.approx(1.0), pytest.approx(0.03))
+
+
+def test_a_call_of_an_admitted_session_is_priced_at_its_prefill_and_its_share_of_decode_steps():
+    r, view = one()
+    m = PROFILE.models["m"]
+    view.profile = PROFILE.with_model(dataclasses.replace(m, decode=DecodeCurve(0.01, 0.002, 1e-5)))
+    view.terms = {}
+    # 100 tokens past a 900-token prefix: 0.1 s; 10 steps of 2 ms + 1e-5 * 1000 (the 10 ms base is shared)
+    assert r.costs.work_s(view, "m", 1000, 900, 10) == pytest.approx(0.1 + 10 * 0.012)
+    # the admitted sessions' prefixes outgrow the pool (16,000 tokens): they cannot all stay, recompute
+    assert r.costs.work_s(view, "m", 1000, 900, 10, footprint_tokens=16_001) == pytest.approx(1.0 + 10 * 0.012)
+    view.snapshot = dataclasses.replace(view.snapshot, cost_scale={"m/prefill": 2.0})
+    view.terms = {}
+    assert r.costs.work_s(view, "m", 1000, 900, 10) == pytest.approx(0.2 + 10 * 0.012)
+    assert r.costs.work_s(view, "unknown-model", 1000, 900, 10) is None

@@ -1,0 +1,132 @@
+"""`talaria.routing.session_load`: what admitted sessions charge their instance, in calls and in tool
+gaps, and when they go quiet. Prices come from a recording stand-in: 1 ms per token past the reusable
+prefix, plus 1 ms per output token; a footprint past 10,000 tokens makes the whole prompt count."""
+
+from __future__ import annotations
+
+import pytest
+
+from talaria.routing.session_load import (
+    QUIET_FIRST_S,
+    QUIET_MIN_S,
+    GapEstimate,
+    InstanceLoad,
+    SessionLoad,
+)
+
+POOL = 10_000
+
+
+class Prices:
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def __call__(self, instance: str, model: str, prompt: int, reusable: int, max_tokens: int, footprint: int) -> float:
+        self.asked.append((instance, model, prompt, reusable, max_tokens, footprint))
+        if footprint > POOL:
+            reusable = 0
+        return 0.001 * (prompt - reusable + max_tokens)
+
+
+def test_a_session_charges_its_call_then_its_next_call_through_its_tool_gap():
+    prices = Prices()
+    load = SessionLoad(prices, ttl_s=900.0)
+    load.placed("s", "m", "a", work_s=0.3, kv_tokens=310, now=0.0)
+    assert load.on("a").total_s == pytest.approx(0.3)  # its call, while it runs
+    load.completed("s", "m", "a", prompt_tokens=300, reply_tokens=20, max_tokens=20, now=2.0)
+    # no growth seen yet for the model: the next prompt is this call's prompt and reply
+    assert prices.asked[-1] == ("a", "m", 320, 319, 20, 320)
+    assert load.on("a").total_s == pytest.approx(0.001 * (1 + 20))
+    assert load.on("a").kv == {"m": 320}
+    load.sweep(2.0 + QUIET_FIRST_S - 0.01)
+    assert load.on("a").total_s > 0  # still in its tool gap
+
+
+def test_the_next_call_grows_by_what_the_last_turn_added():
+    prices = Prices()
+    load = SessionLoad(prices, ttl_s=900.0)
+    load.placed("s", "m", "a", 0.3, 310, now=0.0)
+    load.completed("s", "m", "a", 300, 20, 20, now=1.0)
+    load.arrived("s", "m", prompt_tokens=820, now=1.5)  # the tool result and template added 500 tokens
+    load.placed("s", "m", "a", 0.5, 840, now=1.5)
+    load.completed("s", "m", "a", 820, 20, 20, now=3.0)
+    assert prices.asked[-1] == ("a", "m", 840 + 500, 839, 20, 840 + 500)
+    assert load.on("a").total_s == pytest.approx(0.001 * (500 + 1 + 20))
+    # a new session of the model, after its first call, is predicted with the model's mean growth
+    load.placed("t", "m", "a", 0.2, 210, now=3.0)
+    load.completed("t", "m", "a", 200, 10, 10, now=4.0)
+    assert prices.asked[-1][2] == 210 + 500
+
+
+def test_prefixes_past_the_pool_are_priced_as_full_prefills():
+    prices = Prices()
+    load = SessionLoad(prices, ttl_s=900.0)
+    for i, now in enumerate((0.0, 0.1)):
+        load.placed(f"s{i}", "m", "a", 1.0, 6000, now=now)
+    load.completed("s0", "m", "a", 5980, 20, 20, now=1.0)
+    # its footprint counts the other session's prefix (6,000) and its own (6,000, not twice)
+    assert prices.asked[-1][5] == 12_000
+    assert load.on("a").total_s == pytest.approx(1.0 + 0.001 * (6000 + 20))
+
+
+def test_a_session_goes_quiet_after_the_gap_estimate_and_a_quiet_one_charges_again_when_it_calls():
+    load = SessionLoad(Prices(), ttl_s=900.0)
+    load.placed("s", "m", "a", 0.3, 310, now=0.0)
+    load.completed("s", "m", "a", 300, 20, 20, now=1.0)
+    for t in (2.0, 3.0):  # two gaps of 1 s: srtt 1, rttvar 0.5 then 0.375: quiet after 2.5 s
+        load.arrived("s", "m", 320, now=t)
+        load.placed("s", "m", "a", 0.3, 340, now=t)
+        load.completed("s", "m", "a", 320, 20, 20, now=t)
+    assert load.quiet_s("m") == 2.5
+    load.sweep(3.0 + 2.49)
+    assert load.on("a").total_s > 0
+    load.sweep(3.0 + 2.5)
+    assert (load.on("a").total_s, load.on("a").kv, len(load)) == (0.0, {"m": 0}, 0)
+    load.arrived("s", "m", 360, now=10.0)  # back after a long tool run: still admitted, charged once placed
+    load.placed("s", "m", "a", 0.4, 380, now=10.0)
+    assert load.on("a").total_s == pytest.approx(0.4)
+
+
+def test_a_call_in_flight_never_goes_quiet_and_a_failed_call_keeps_its_charge_until_quiet():
+    load = SessionLoad(Prices(), ttl_s=900.0)
+    load.placed("s", "m", "a", 0.3, 310, now=0.0)
+    load.sweep(10 * QUIET_FIRST_S)
+    assert load.on("a").total_s == pytest.approx(0.3)
+    load.failed("s", "m", now=100.0)
+    load.sweep(100.0 + QUIET_FIRST_S - 0.01)
+    assert load.on("a").total_s == pytest.approx(0.3)
+    load.sweep(100.0 + QUIET_FIRST_S)
+    assert load.on("a").total_s == 0.0
+
+
+def test_a_session_served_elsewhere_moves_its_charge():
+    load = SessionLoad(Prices(), ttl_s=900.0)
+    load.placed("s", "m", "a", 0.3, 310, now=0.0)
+    load.completed("s", "m", "a", 300, 10, 10, now=1.0)
+    load.arrived("s", "m", 400, now=2.0)
+    load.placed("s", "m", "b", 0.5, 410, now=2.0)
+    assert (load.on("a").total_s, load.on("b").total_s) == (0.0, pytest.approx(0.5))
+    assert (load.on("a").kv, load.on("b").kv) == ({"m": 0}, {"m": 410})
+
+
+def test_the_gap_estimate_is_rfc_6298s_floored_and_quiet_never_outlasts_the_session_ttl():
+    gaps = GapEstimate()
+    assert gaps.quiet_s == QUIET_FIRST_S
+    gaps.sample(4.0)
+    assert (gaps.srtt, gaps.rttvar, gaps.quiet_s) == (4.0, 2.0, 12.0)
+    gaps.sample(2.0)
+    assert (gaps.srtt, gaps.rttvar) == (pytest.approx(3.75), pytest.approx(2.0))
+    short = GapEstimate()
+    for _ in range(3):
+        short.sample(0.2)  # srtt 0.2, rttvar 0.1 then shrinking: 0.6 s, but never quiet before QUIET_MIN_S
+    assert short.quiet_s == QUIET_MIN_S
+    assert SessionLoad(Prices(), ttl_s=5.0).quiet_s("m") == 5.0
+
+
+def test_a_call_is_held_back_by_each_admitted_session_at_most_by_its_own_prefill():
+    """Processor sharing: a 0.5 s prefill behind calls of 0.2 s, 3 s and 40 s (a long decode) waits
+    0.2 + 0.5 + 0.5, not 43.2 s."""
+    load = InstanceLoad()
+    load.work.update({("a", "m"): 0.2, ("b", "m"): 3.0, ("c", "m"): 40.0})
+    assert load.ahead_s(0.5) == pytest.approx(1.2)
+    assert load.total_s == pytest.approx(43.2)
