@@ -61,7 +61,7 @@ from talaria.gateway.output_parser import Content, parse
 from talaria.gateway.peer_forward import FORWARDED_HEADER, forward
 from talaria.gateway.prompt_cache import PromptCache
 from talaria.gateway.responses import ResponseFormat
-from talaria.gateway.sse import CancelOnDisconnect, SSEResponse
+from talaria.gateway.sse import CancelOnDisconnect, SSEResponse, client_left
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.routing.decision import RouteRequest
 from talaria.routing.dispatcher import Dispatcher, Placement
@@ -183,7 +183,7 @@ class Gateway:
         route = RouteRequest(parsed.model, session, len(parsed.prompt_token_ids), parsed.sampling.max_tokens,
                              request_id, tenant)
         placement = await self.dispatcher.place(route, chain, inferred, parsed.messages is not None,
-                                                parsed.prompt_token_ids, local)
+                                                parsed.prompt_token_ids, local, lambda: client_left(request.receive))
         if placement.peer is not None:
             return await forward(placement.peer, request, body, session, self.dispatcher, placement, tenant)
         group = placement.group

@@ -19,6 +19,13 @@ from starlette.types import Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 
+async def client_left(receive: Receive) -> None:
+    """Returns once the client has disconnected; for a request whose body is read (a call held
+    before it is placed, talaria/routing/dispatcher.py). Cancelling it consumes nothing."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class CancelOnDisconnect:
     """`async with CancelOnDisconnect(receive) as watch:` runs its body in the current task and
     cancels the body if the client disconnects meanwhile; `watch.disconnected` then says so.

@@ -7,12 +7,21 @@ latest snapshot, profile); peers refresh their own views on a heartbeat
 (`talaria/routing/peers.py`). A call without a session id gets one from the continuity index when
 its conversation extends a recent call's, else a fresh one, so its next call can be recognised.
 Route and lease events go to the node's event log with instance "router".
+
+Overload (`[router] overload`): under "sessions" (the default) a call whose session was not admitted
+within `session_ttl_s` opens a session, and is admitted only where the sessions already admitted
+there (`SessionLoad`: their calls and the next calls of those in tool gaps) leave its first call
+within the TTFT target; otherwise it is shed with 429 and a Retry-After sized from the
+predicted wait (`SessionShedding` keeps a tenant below its fair share waiting instead). Calls of
+admitted sessions that no instance admits yet are held, and placed oldest first (`HeldCalls`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,17 +41,19 @@ from talaria.routing.continuity import (
     new_session_id,
     token_chain,
 )
-from talaria.routing.decision import RouteDecision, RouteRequest
+from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.errors import RETRY_AFTER_S, Overloaded
+from talaria.routing.held_calls import MAX_HOLD_S, HeldCall, HeldCalls
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.router import Router
+from talaria.routing.session_load import SessionLoad
 from talaria.routing.shedding import SessionShedding
 
 if TYPE_CHECKING:
     from talaria.node.node_handle import NodeHandle
     from talaria.routing.peers import PeerLink
 
-QUEUE_POLL_S = 0.05  # a held call (overload = "queue" or "sessions") asks the router again this often
+QUEUE_POLL_S = 0.05  # held calls (overload = "queue" or "sessions") are offered to the router again this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +76,12 @@ class Dispatcher:
         self.router = Router(config, clock, self._emit)
         self.continuity = ContinuityIndex(clock, config.session_ttl_s, config.max_sessions)
         self.shedding = SessionShedding(clock, config.session_ttl_s, config.max_sessions)
+        self.load = SessionLoad(self._price, config.session_ttl_s)
+        self.held = HeldCalls(config.max_queued)
         self.peers: list[PeerLink] = []
         self._models = {inst.name: inst.models for inst in node.config.instances}
-        self._queued = 0
+        self._ttft = {inst.name: inst.ttft_s for inst in node.config.instances}
+        self._pumping: asyncio.Task | None = None
 
     # ---- views ------------------------------------------------------------------------------
 
@@ -80,9 +94,14 @@ class Dispatcher:
             view.healthy = g.healthy
             view.in_flight = g.in_flight  # the instance counts every call it runs
             view.profile = g.ready.profile if g.ready is not None else None
+            view.ttft_s = self._ttft.get(g.name)
             stats = g.stats
             if stats is not None:
                 self.router.observe(g.name, stats, taken_at=stats.time)
+        self.load.sweep(self.clock())
+        for view in self.router.views.values():
+            if view.load is None:  # peers' views appear on their heartbeat: they get theirs on the next call
+                view.load = self.load.on(view.name)
 
     # ---- sessions ---------------------------------------------------------------------------
 
@@ -104,56 +123,187 @@ class Dispatcher:
     # ---- placement --------------------------------------------------------------------------
 
     async def place(self, req: RouteRequest, chain: Sequence[int], inferred: bool, chat: bool,
-                    prompt_ids: tuple[int, ...], local: bool = False) -> Placement:
+                    prompt_ids: tuple[int, ...], local: bool = False,
+                    left: Callable[[], Awaitable[object]] | None = None) -> Placement:
         """Where the call goes. Raises InstanceUnavailable when no healthy instance serves the model,
-        Overloaded when the overload policy turns the call away."""
+        Overloaded when the overload policy turns the call away. `left`: returns once the client has
+        gone (a held call is then dropped). A call a peer forwarded (`local`) was admitted there: it
+        never opens a session here."""
         self.sync()
-        decision = self.router.route(req, local)
-        if decision.instance is None and not any(v.healthy and req.model in v.models
-                                                 for v in self.router.views.values()):
-            names = ", ".join(v.name for v in self.router.views.values() if req.model in v.models)
+        policy, router = self.config.overload, self.router
+        admitted = True  # a call of an admitted session (any call but under "sessions")
+        if policy is Overload.SESSIONS and req.session is not None and not local:
+            if self.shedding.known(req.session):
+                self.load.arrived(req.session, req.model, req.prompt_tokens, self.clock())
+            else:
+                req, admitted = dataclasses.replace(req, new_session=True), False
+        router.arrived(req)
+        if self.held.blocks(req.model, admitted):
+            self.pump()  # room may have freed since the last tick: the older calls go first
+        if self.held.blocks(req.model, admitted):  # older calls wait for the room it would take: behind them
+            decision = RouteDecision(None, Reason.OVERLOAD, overload=policy.value,
+                                     wait_s=self.held.ahead_s(req.model, admitted))
+        else:
+            decision = router.decide(req, local)
+        if decision.instance is not None:
+            router.record(req, decision)
+            self._commit(req, decision)
+        elif not any(v.healthy and req.model in v.models for v in router.views.values()):
+            router.record(req, decision)
+            names = ", ".join(v.name for v in router.views.values() if req.model in v.models)
             raise InstanceUnavailable(f"no healthy instance serves model {req.model!r} right now "
                                       f"({names or 'none configured'}); retry shortly")
-        if decision.instance is None and (self.config.overload is Overload.QUEUE or (
-                self.config.overload is Overload.SESSIONS and self.shedding.waits(req.session, req.tenant))):
-            decision = await self._wait(req, local)
+        elif policy is Overload.QUEUE or (policy is Overload.SESSIONS and self.shedding.waits(req.session, req.tenant)):
+            decision = await self._hold(req, local, admitted, decision, left)
+        else:
+            router.record(req, decision)
         if decision.instance is None:
-            raise Overloaded(f"every instance serving {req.model!r} is at capacity; retry in {RETRY_AFTER_S} s")
-        view = self.router.views[decision.instance]
-        self.router.sent(view.name)
-        self.shedding.admitted(req.session, req.tenant)
+            raise self._refusal(req, decision)
+        view = router.views[decision.instance]
         if view.node is None:
             group = next(g for g in self.node.groups if g.name == view.name)
             return Placement(req, decision, group, None, tuple(chain), inferred, chat, prompt_ids)
         peer = next(p for p in self.peers if p.url == view.node)
         return Placement(req, decision, None, peer, tuple(chain), inferred, chat, prompt_ids)
-    async def _wait(self, req: RouteRequest, local: bool) -> RouteDecision:
-        """overload = "queue" (any call) or "sessions" (a call it keeps): hold the call (bounded) and
-        ask again until an instance admits it."""
-        if self._queued >= self.config.max_queued:
-            return RouteDecision(None, self.router.route(req, local).reason, overload="queue-full")
-        self._queued += 1
+
+    # ---- held calls -------------------------------------------------------------------------
+
+    async def _hold(self, req: RouteRequest, local: bool, admitted: bool, decision: RouteDecision,
+                    left: Callable[[], Awaitable[object]] | None = None) -> RouteDecision:
+        """Hold the call until the router admits it, it has waited its predicted wait and
+        `queue_timeout_s` more (MAX_HOLD_S at most), or its client leaves (`left` returns, or the
+        caller is cancelled)."""
+        now = self.clock()
+        wait = decision.wait_s or 0.0
+        work = self._work(req, decision.cost.instance if decision.cost is not None else None)
+        call = HeldCall(req, local, admitted, now, now + min(MAX_HOLD_S, wait + self.config.queue_timeout_s),
+                        work, decision)
+        if not self.held.hold(call):
+            full = RouteDecision(None, decision.reason, decision.cost, overload="queue-full", wait_s=wait)
+            self.router.record(req, full)
+            return full
+        call.waiter = asyncio.get_running_loop().create_future()
+        if self._pumping is None or self._pumping.done():
+            self._pumping = asyncio.get_running_loop().create_task(self._pump_every_poll())
+        watch = asyncio.ensure_future(left()) if left is not None else None
         try:
-            deadline = self.clock() + self.config.queue_timeout_s
-            while self.clock() < deadline:
-                await asyncio.sleep(QUEUE_POLL_S)
-                self.sync()
-                decision = self.router.route(req, local)
-                if decision.instance is not None:
-                    return decision
-            return RouteDecision(None, decision.reason, overload="queue-timeout")
+            if watch is not None:
+                await asyncio.wait((call.waiter, watch), return_when=asyncio.FIRST_COMPLETED)
+                if not call.waiter.done():  # its client left first
+                    call.waiter.cancel()
+                    gone = RouteDecision(None, Reason.OVERLOAD, overload="client-gone")
+                    self.router.record(req, gone)
+                    return gone
+            return await call.waiter
+        except asyncio.CancelledError:
+            if call.waiter.done() and not call.waiter.cancelled() and call.waiter.result().instance is not None:
+                self._uncommit(req, call.waiter.result())  # placed just as its client left: it never runs
+            raise
         finally:
-            self._queued -= 1
+            if watch is not None:
+                watch.cancel()
+            self.held.remove(call)
+
+    async def _pump_every_poll(self) -> None:
+        while len(self.held):
+            await asyncio.sleep(QUEUE_POLL_S)
+            self.pump()
+
+    def pump(self) -> None:
+        """Offer the held calls to the router, oldest first (talaria/routing/held_calls.py); answer
+        those placed and those past their deadline."""
+        for call in [c for c in self.held if c.waiter is not None and c.waiter.done()]:
+            self.held.remove(call)  # its client left
+        if not len(self.held):
+            return
+        self.sync()
+        placed, expired = self.held.pump(self._ask, self.clock())
+        for call, decision in placed:
+            if call.waiter is not None:
+                call.waiter.set_result(decision)
+        for call in expired:
+            last = call.decision
+            out = RouteDecision(None, Reason.OVERLOAD, last.cost if last else None, overload="queue-timeout",
+                                wait_s=last.wait_s if last else None)
+            self.router.record(call.req, out)
+            if call.waiter is not None:
+                call.waiter.set_result(out)
+
+    def _ask(self, call: HeldCall) -> RouteDecision | None:
+        decision = self.router.decide(call.req, call.local)
+        if decision.instance is None:
+            call.decision = decision
+            return None
+        self.router.record(call.req, decision)
+        self._commit(call.req, decision)  # now, so that the next call asked sees it
+        return decision
+
+    # ---- bookkeeping of a placement -----------------------------------------------------------
+
+    def _commit(self, req: RouteRequest, decision: RouteDecision) -> None:
+        """The call goes to `decision.instance`: count it there before any other decision is made."""
+        name = decision.instance
+        self.router.sent(name)
+        self.shedding.admitted(req.session, req.tenant)
+        if req.session is not None:
+            self.load.placed(req.session, req.model, name, self._work(req, name),
+                             req.prompt_tokens + req.max_tokens, self.clock())
+
+    def _uncommit(self, req: RouteRequest, decision: RouteDecision) -> None:
+        self.router.finished(decision.instance)
+        if req.session is not None:
+            self.load.failed(req.session, req.model, self.clock())
+
+    def _work(self, req: RouteRequest, instance: str | None) -> float:
+        """The call's predicted work on `instance` (its prefix reused there if its last call was);
+        `instance` None: where its session was last served, else the first instance serving its model."""
+        last = self.router.sessions.get(req.session, req.model) if req.session is not None else None
+        if instance is None:
+            instance = last.instance if last is not None else next(
+                (v.name for v in self.router.views.values() if req.model in v.models), None)
+        view = self.router.views.get(instance) if instance is not None else None
+        if view is None:
+            return 0.0
+        reusable = last.kv_tokens if last is not None and last.instance == instance else 0
+        return self.router.costs.work_s(view, req.model, req.prompt_tokens, reusable, req.max_tokens) or 0.0
+
+    def _price(self, instance: str, model: str, prompt: int, reusable: int, max_tokens: int,
+               footprint: int) -> float | None:
+        view = self.router.views.get(instance)
+        return None if view is None else self.router.costs.work_s(view, model, prompt, reusable, max_tokens, footprint)
+
+    def _refusal(self, req: RouteRequest, decision: RouteDecision) -> Overloaded:
+        wait = decision.wait_s
+        retry = RETRY_AFTER_S if wait is None else max(1, math.ceil(wait))
+        what = f"every instance serving {req.model!r} is at capacity"
+        if decision.overload == "queue-full":
+            why = f"{what}: {self.config.max_queued} calls are held already (router.max_queued)"
+        elif decision.overload == "queue-timeout":
+            why = f"{what}: the call was held past its predicted wait"
+        elif decision.overload == "client-gone":
+            why = "the client left while its call was held"
+        elif req.new_session:
+            why = f"{what} for new sessions: the sessions it has admitted fill its TTFT target"
+        else:
+            why = what
+        return Overloaded(f"{why}; retry in {retry} s", retry)
 
     def finished(self, placement: Placement, usage: Usage | None, reply: Mapping[str, Any] | None,
                  output_ids: Sequence[int]) -> None:
         """The call ended; on a normal finish install the lease and remember the conversation.
         `reply`: a chat call's answer as the assistant message the client appends to it."""
-        self.router.finished(placement.decision.instance)
+        instance, req, now = placement.decision.instance, placement.request, self.clock()
+        self.router.finished(instance)
         if usage is None:
+            if req.session is not None:
+                self.load.failed(req.session, req.model, now)
+            self.pump()  # room freed
             return
-        req = placement.request
-        self.router.complete(req, placement.decision.instance, max(0, usage.prompt_tokens + usage.completion_tokens - 1))
+        self.router.complete(req, instance, max(0, usage.prompt_tokens + usage.completion_tokens - 1))
+        if req.session is not None:
+            self.load.completed(req.session, req.model, instance, usage.prompt_tokens, usage.completion_tokens,
+                                req.max_tokens, now)
+        self.pump()
         if placement.inferred and placement.chain:
             last = placement.chain[-1]
             if placement.chat:  # the client appends our reply as an assistant message

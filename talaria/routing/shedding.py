@@ -36,6 +36,11 @@ class SessionShedding:
         while len(self._seen) > self.max_sessions:
             self._seen.popitem(last=False)
 
+    def known(self, session: str) -> bool:
+        """`session` was admitted: a call of it was placed within `ttl_s`."""
+        entry = self._seen.get(session)
+        return entry is not None and self.clock() - entry[1] <= self.ttl_s
+
     def waits(self, session: str | None, tenant: str) -> bool:
         """No instance admits this call now: True if it should wait for one, False to shed it."""
         now = self.clock()

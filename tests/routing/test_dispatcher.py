@@ -176,3 +176,90 @@ def test_sessions_overload_holds_admitted_sessions_and_sheds_new_ones_fairly():
     assert d.shedding.waits("a0", "team-a") and not d.shedding.waits("a-other", "team-a")
     clock.now += 10_000  # past session_ttl_s: forgotten
     assert not d.shedding.waits("a0", "team-a")
+
+
+# ---- admission of new sessions against the admitted ones' load, and held calls oldest first --------
+
+
+def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_calls_go_oldest_first():
+    """Four admitted sessions, all in tool gaps, whose next calls are predicted at 1.5 s each: the
+    instance is idle, but a new session's 1 s prefill would share it with those four calls and see
+    its first token 5 s out, past the 2 s TTFT target. It is shed with Retry-After 3 (s), while an
+    admitted session's call goes straight in. Then with the instance full, two admitted sessions'
+    calls are held; when there is room for one, the older is placed."""
+    clock = Clock()
+    group = FakeEchoGroup("hot0")  # ttft_s 2.0; round admission here: 0.2 rounds of 10 s
+    versions = iter(range(1, 1000))
+
+    def fresh(waiting: int = 0) -> None:
+        group.ready = InstanceReady(group.name, (MODEL,), 100, 0.1, profile=PROFILE_ECHO)
+        group.stats = dataclasses.replace(snapshot(group.name, active=MODEL, waiting=waiting, version=next(versions)),
+                                          time=clock.now)
+
+    fresh()
+    d, node = dispatcher(group, clock=clock, lease_s=0.0, admit_rounds=0.2)
+
+    def call(session: str, prompt: int) -> RouteRequest:
+        return RouteRequest(MODEL, session, prompt, 4, f"{session}@{prompt}")
+
+    def serve(session: str, prompt: int) -> None:
+        fresh()
+        d.finished(place(d, call(session, prompt)), Usage(prompt, 4, 0), None, ())
+
+    sessions = [f"s{i}" for i in range(4)]
+    for s in sessions:
+        serve(s, 100)
+    clock.now += 1.5
+    for s in sessions:  # the tool result added 1,500 tokens: so will the next turn, predicted from this one
+        serve(s, 1604)
+    clock.now += 1.0
+    fresh()
+    d.sync()
+    assert d.router.views["hot0"].load.total_s == pytest.approx(4 * 1.501)  # 1,501 tokens past each prefix
+    with pytest.raises(Overloaded, match="at capacity for new sessions") as shed:
+        place(d, call("newcomer", 1000))
+    assert shed.value.retry_after_s == 3  # 1 s of its prefill + 4 x 1 s of theirs, 2 s allowed
+    assert place(d, call("s0", 3108)).group is group  # an admitted session is not held for the load
+    clock.now += 10.0  # they all went quiet: nothing ahead, and the newcomer gets in
+    fresh()
+    assert place(d, call("newcomer", 1000)).group is group
+
+    async def scenario() -> list[str]:
+        fresh(waiting=10_000)  # full: no call is admitted
+        first = asyncio.create_task(d.place(call("s1", 3108), (), False, True, ()))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(d.place(call("s2", 3108), (), False, True, ()))
+        await asyncio.sleep(0)
+        assert [c.req.session for c in d.held] == ["s1", "s2"]
+        fresh()  # room for one call: the second would start 2 s out, behind the first
+        d.pump()
+        await asyncio.sleep(0)
+        assert first.done() and not second.done()
+        assert (await first).group is group
+        fresh()
+        d.pump()
+        assert (await second).group is group
+        return [e.data["request"] for e in node.events.since(0) if e.kind is EventKind.ROUTE and e.data["target"]]
+
+    placed = asyncio.run(scenario())
+    assert placed[-2:] == ["s1@3108", "s2@3108"]
+
+
+def test_a_held_call_whose_client_leaves_gives_up_its_place():
+    clock = Clock()
+    group = FakeEchoGroup("hot0")
+    ready(group, waiting=10_000)  # full
+    d, node = dispatcher(group, clock=clock, overload=Overload.QUEUE)
+
+    async def scenario() -> None:
+        gone = asyncio.Event()
+        task = asyncio.create_task(d.place(request(), (), False, True, tuple(range(40)), left=gone.wait))
+        await asyncio.sleep(0)
+        assert len(d.held) == 1
+        gone.set()
+        with pytest.raises(Overloaded, match="client left"):
+            await task
+        assert len(d.held) == 0
+    asyncio.run(scenario())
+    routes = [e.data["overload"] for e in node.events.since(0) if e.kind is EventKind.ROUTE]
+    assert routes == ["client-gone"]  # counted once, when it gave up
