@@ -55,13 +55,20 @@ def params_per_rank(arch: ModelArch, tp: int) -> int:
 
     Attention and MLP projections are split over tp (a KV head is replicated when tp exceeds the
     KV heads), embedding and LM head are split by vocabulary (rounded up), norms are replicated.
+    An MoE layer holds every expert's slice of the expert width (and of the shared expert's), the
+    router and the shared expert's gate whole (docs/moe.md).
     """
+    h = arch.hidden_size
     q, kv = math.ceil(arch.q_size / tp), arch.head_dim * math.ceil(arch.num_kv_heads / tp)
-    attn = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size
+    attn = h * (q + 2 * kv) + q * h
     attn += (q + 2 * kv if arch.attention_bias else 0) + (2 * arch.head_dim if arch.qk_norm else 0)
-    layer = attn + 3 * arch.hidden_size * math.ceil(arch.intermediate_size / tp) + 2 * arch.hidden_size
-    emb = math.ceil(arch.vocab_size / tp) * arch.hidden_size
-    return arch.num_layers * layer + emb * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+    dense = 3 * h * math.ceil(arch.intermediate_size / tp)
+    moe = arch.num_experts * (h + 3 * h * math.ceil(arch.moe_intermediate_size / tp))
+    if arch.shared_expert_intermediate_size:
+        moe += 3 * h * math.ceil(arch.shared_expert_intermediate_size / tp) + h
+    mlps = sum(moe if arch.is_moe_layer(i) else dense for i in range(arch.num_layers))
+    emb = math.ceil(arch.vocab_size / tp) * h
+    return arch.num_layers * (attn + 2 * h) + mlps + emb * (1 if arch.tie_word_embeddings else 2) + h
 
 
 def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:

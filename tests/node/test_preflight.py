@@ -26,9 +26,19 @@ def test_shipped_default_passes_the_file_checks() -> None:
 
 
 def test_params_per_rank_at_tp1_is_the_whole_model() -> None:
-    for family in ("llama", "qwen2", "qwen3"):
-        arch = synthetic_arch(SyntheticShape(family=family))
-        assert params_per_rank(arch, 1) == arch.param_count()
+    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
+        arch = synthetic_arch(SyntheticShape(family=family, decoder_sparse_step=2, num_layers=4))
+        assert params_per_rank(arch, 1) == arch.param_count(), family
+
+
+def test_moe_ranks_hold_every_expert_sliced_and_the_router_whole() -> None:
+    moe = synthetic_arch(SyntheticShape(family="qwen2_moe", num_layers=2, num_experts=8, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=64))
+    dense = synthetic_arch(SyntheticShape(family="qwen2", num_layers=2))  # the same attention, embeddings, norms
+    h, i = dense.hidden_size, dense.intermediate_size
+    for tp in (1, 2):
+        moe_mlp = 8 * (h + 3 * h * 32 // tp) + 3 * h * 64 // tp + h  # router and shared gate whole, widths sliced
+        assert params_per_rank(moe, tp) - params_per_rank(dense, tp) == 2 * (moe_mlp - 3 * h * i // tp), tp
 
 
 def test_params_per_rank_shards_all_but_norms_and_replicates_kv_heads_past_their_count() -> None:
