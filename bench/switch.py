@@ -1,7 +1,7 @@
 """Model-switch latency and HKVR restore bandwidth, against copy ceilings measured in the same run.
 
     python bench/switch.py [--device cpu|cuda] [--json PATH] [--runs N] [--threads T]
-                           [--chunk-mib M] [--restore-mib M]
+                           [--chunk-mib M] [--restore-mib M] [--tiny]
 
 Two synthetic Llama models (float32, a few hundred MiB each) share one cold instance, driven
 in-process at TP=1 with the code a worker runs. Per run it measures:
@@ -14,6 +14,9 @@ in-process at TP=1 with the code a worker runs. Per run it measures:
   from host slabs, the exact code a step runs before its forward;
 * the ceilings: a single large ``copy_`` of the same byte count, host memcpy on CPU; on CUDA a
   device-to-device copy and a pinned host-to-device copy.
+
+``--tiny`` swaps in toy models and copies of a few hundred KiB (``bench/gpu_check.sh --dry-run``):
+every step runs, the figures mean nothing.
 
 Machines are noisy, so rates are compared as fractions of a ceiling measured in the same run, and
 the median over ``--runs`` runs is reported. Progress goes to stderr, the tables to stdout,
@@ -66,6 +69,14 @@ MODEL_A = ModelConfig(name="switch-a", source="synthetic:", dtype="float32", see
 MODEL_B = ModelConfig(name="switch-b", source="synthetic:", dtype="float32", seed=2, shape=SyntheticShape(
     hidden_size=1024, intermediate_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, vocab_size=32000,
     max_position=2048, tie_word_embeddings=True))
+# --tiny: the same two-model structure at toy sizes (B ~0.6 MiB: a dozen 64 KiB staging chunks)
+TINY_A = ModelConfig(name="switch-tiny-a", source="synthetic:", dtype="float32", seed=1, shape=SyntheticShape(
+    hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+    max_position=2048, tie_word_embeddings=True))
+TINY_B = ModelConfig(name="switch-tiny-b", source="synthetic:", dtype="float32", seed=2, shape=SyntheticShape(
+    hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=512,
+    max_position=2048, tie_word_embeddings=True))
+TINY_CHUNK_BYTES, TINY_RESTORE_BYTES = 64 << 10, 512 << 10
 PAGE_SIZE = 16
 KV_MARGIN = 128 << 20  # arena beyond both weight images: A's serving pages below B's staged image
 PROMPT_TOKENS = 32
@@ -230,7 +241,7 @@ def one_run(staged: Driver, plain: Driver, ceil: Ceilings, a: str, b: str, run: 
     rec, _, plain_step_ms = serve_then_switch(plain, a, b, run, steps, log)
     h2d = switch_row(rec, SwitchPath.H2D_ONLY)
 
-    log(f"  restore {restore_bytes >> 20} MiB of KV pages and ceiling copies, {COPY_REPS}x each")
+    log(f"  restore {restore_bytes / 2**20:g} MiB of KV pages and ceiling copies, {COPY_REPS}x each")
     ops, nbytes = restore_ops(plain, restore_bytes, run)
     plain.executor.substrate.before_step(ops)  # untimed: faults in the destination pages
     restore, memcpy, h2d_ceiling = [], [], []
@@ -266,8 +277,9 @@ def one_run(staged: Driver, plain: Driver, ceil: Ceilings, a: str, b: str, run: 
 # ---- report ----------------------------------------------------------------------------------------
 
 def tables(m: dict, cfg: dict) -> str:
-    wa, wb = cfg["weight_bytes"][MODEL_A.name] >> 20, cfg["weight_bytes"][MODEL_B.name] >> 20
-    switch = [(f"switch {MODEL_A.name} -> {MODEL_B.name} ({wa} -> {wb} MiB), ms", "full_d2d", "h2d_only",
+    name_a, name_b = cfg["models"]
+    wa, wb = (f"{cfg['weight_bytes'][n] / 2**20:.3g}" for n in (name_a, name_b))
+    switch = [(f"switch {name_a} -> {name_b} ({wa} -> {wb} MiB), ms", "full_d2d", "h2d_only",
                "h2d/d2d")]
     for i, p in enumerate(PHASES, 1):
         d, h = m[f"switch_d2d_{p.value}_ms"], m[f"switch_h2d_{p.value}_ms"]
@@ -280,12 +292,12 @@ def tables(m: dict, cfg: dict) -> str:
     ceiling = "device-to-device copy" if cfg["device"] == "cuda" else "memcpy"
     h2d_ceiling = "pinned H2D copy" if cfg["device"] == "cuda" else "memcpy"
     copies = [("copy", "GiB/s", "ceiling", "fraction"),
-              (f"ceiling: {ceiling}, {cfg['restore_bytes'] >> 20} MiB", f"{m['memcpy_gib_s']:.2f}", "-", "1.00")]
+              (f"ceiling: {ceiling}, {cfg['restore_bytes'] / 2**20:g} MiB", f"{m['memcpy_gib_s']:.2f}", "-", "1.00")]
     if cfg["device"] == "cuda":
-        copies.append((f"ceiling: {h2d_ceiling}, {cfg['restore_bytes'] >> 20} MiB", f"{m['h2d_ceiling_gib_s']:.2f}",
+        copies.append((f"ceiling: {h2d_ceiling}, {cfg['restore_bytes'] / 2**20:g} MiB", f"{m['h2d_ceiling_gib_s']:.2f}",
                        "-", "1.00"))
     copies += [
-        (f"HKVR restore, {cfg['restore_pages']} pages of {cfg['page_bytes'][MODEL_A.name] >> 10} KiB",
+        (f"HKVR restore, {cfg['restore_pages']} pages of {cfg['page_bytes'][name_a] >> 10} KiB",
          f"{m['restore_gib_s']:.2f}", h2d_ceiling, f"{m['restore_fraction']:.2f}"),
         (f"switch D2D gather ({wb} MiB, phase 2)", f"{m['d2d_gather_gib_s']:.2f}", ceiling,
          f"{m['d2d_gather_fraction']:.2f}"),
@@ -302,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     ap.add_argument("--chunk-mib", type=int, default=16, help="staging chunk: one per serving step")
     ap.add_argument("--restore-mib", type=int, default=256, help="KV bytes per restore (at least 64: beyond caches)")
+    ap.add_argument("--tiny", action="store_true", help="toy models and copies: a smoke run, the figures mean "
+                    "nothing (overrides --chunk-mib and --restore-mib)")
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3: the report is a median")
-    if args.restore_mib < 64 or args.chunk_mib < 1:
+    if not args.tiny and (args.restore_mib < 64 or args.chunk_mib < 1):
         ap.error("--restore-mib must be at least 64 and --chunk-mib at least 1")
+    models = (TINY_A, TINY_B) if args.tiny else (MODEL_A, MODEL_B)
+    chunk_bytes = TINY_CHUNK_BYTES if args.tiny else args.chunk_mib << 20
+    restore_bytes = TINY_RESTORE_BYTES if args.tiny else args.restore_mib << 20
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
 
@@ -314,16 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     files = []
-    for cfg in (MODEL_A, MODEL_B):
+    for cfg in models:
         log(f"preparing {cfg.name}: synthetic {cfg.shape.hidden_size}x{cfg.shape.num_layers} layers "
             "(generated once, then cached in ~/.cache/talaria)")
         files.append(prepare_model(cfg, None, progress=lambda stage, done, total: log(f"  {stage} {done}/{total}")))
     a, b = files
-    restore_bytes = args.restore_mib << 20
     restore_pages = restore_bytes // page_bytes(a)
     log(f"building two instances on {args.device} ({args.threads} threads, load average {load_start:.2f}): "
-        f"staging in {args.chunk_mib} MiB chunks, and staging off")
-    staged = build_core(a, b, args.device, args.chunk_mib << 20, restore_pages)
+        f"staging in {chunk_bytes >> 10} KiB chunks, and staging off")
+    staged = build_core(a, b, args.device, chunk_bytes, restore_pages)
     plain = build_core(a, b, args.device, 0, restore_pages)
     for core in (staged, plain):
         warm_up(core, a.name, b.name)
@@ -337,12 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
     config = {
         "device": args.device, "threads": args.threads, "runs": args.runs, "page_size": PAGE_SIZE,
-        "staging_chunk_bytes": args.chunk_mib << 20,
-        "staging_chunks": -(-weight_bytes(b) // (args.chunk_mib << 20)), "restore_bytes": restore_bytes,
+        "staging_chunk_bytes": chunk_bytes, "tiny": args.tiny,
+        "staging_chunks": -(-weight_bytes(b) // chunk_bytes), "restore_bytes": restore_bytes,
         "restore_pages": restore_pages, "arena_bytes": staged.executor.instance.arena_bytes,
         "host_kv_bytes": staged.executor.instance.host_kv_bytes,
         "models": {m.name: {"dtype": m.dtype, "seed": m.seed, "shape": dataclasses.asdict(m.shape)}
-                   for m in (MODEL_A, MODEL_B)},
+                   for m in models},
         "weight_bytes": {f.name: weight_bytes(f) for f in files},
         "page_bytes": {f.name: page_bytes(f) for f in files},
     }

@@ -219,7 +219,7 @@ class RouterConfig:
     hbm_price_s_per_gib: float = 0.05  # mu at an empty pool (doubles when the pool is full)
     session_ttl_s: float = 900.0  # sessions remembered this long after their last call
     max_sessions: int = 100_000  # and at most this many
-    queue_timeout_s: float = 30.0  # overload = "queue" or "sessions": longest a call waits at the gateway
+    queue_timeout_s: float = 30.0  # overload = "queue" or "sessions": a held call waits its predicted wait plus this
     max_queued: int = 256  # overload = "queue" or "sessions": calls held at once; more get 429
     peers: tuple[PeerConfig, ...] = ()  # [[router.peers]]: other nodes whose instances join the candidates
 

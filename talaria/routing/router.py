@@ -184,7 +184,9 @@ class Router:
             "leases": [{"session": lease.session, "model": lease.model, "instance": lease.instance,
                         "expires_in_s": lease.t_exp - now} for lease in self.leases.all()[:256]],
             "views": {v.name: {"node": v.node, "healthy": v.healthy, "in_flight": v.in_flight,
-                               "snapshot_age_s": now - v.received_at if v.snapshot is not None else None}
+                               "snapshot_age_s": now - v.received_at if v.snapshot is not None else None,
+                               "admitted_sessions": len(v.load.work) if v.load is not None else None,
+                               "load_s": round(v.load.total_s, 3) if v.load is not None else None}
                       for v in self.views.values()},
         }
 

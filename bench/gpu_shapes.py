@@ -1,0 +1,99 @@
+"""The layer shapes bench/gpu_check.sh measures, and the `talaria profile` configs it writes for them.
+
+    python bench/gpu_shapes.py config SHAPE --device cuda|cpu [--tiny] --out FILE.toml
+
+Two shapes, each as a few layers of its model (the per-layer costs are the point, not the model):
+
+* ``8b-dense``: Llama-3-8B's layer (hidden 4096, MLP 14336, 32 query / 8 KV heads of 128);
+* ``30b-a3b-moe``: Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, q/k norm,
+  128 experts of width 768, top-8 with normalised weights).
+
+``--tiny`` gives the same families at toy sizes, for ``gpu_check.sh --dry-run`` on a CPU. The
+vocabulary is cut to 32000 in the profile configs (Llama-3 has 128256): a synthetic model is
+written to the model cache before it is loaded, and its embedding is not what is being measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from talaria.config.schema import SyntheticShape
+
+LAYERS = 4  # a few layers: the per-layer figures are a total / LAYERS
+PROFILE_LAYERS = 2  # `talaria profile` generates and writes its models to disk first: keep them small
+PROFILE_VOCAB = 32000
+
+SHAPES = {
+    "8b-dense": SyntheticShape(hidden_size=4096, intermediate_size=14336, num_layers=LAYERS, num_heads=32,
+                               num_kv_heads=8, head_dim=128, vocab_size=PROFILE_VOCAB, max_position=8192,
+                               family="llama"),
+    "30b-a3b-moe": SyntheticShape(hidden_size=2048, intermediate_size=6144, num_layers=LAYERS, num_heads=32,
+                                  num_kv_heads=4, head_dim=128, vocab_size=PROFILE_VOCAB, max_position=8192,
+                                  family="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                                  moe_intermediate_size=768),
+}
+TINY = {
+    "8b-dense": SyntheticShape(hidden_size=64, intermediate_size=224, num_layers=2, num_heads=4, num_kv_heads=2,
+                               head_dim=16, vocab_size=320, max_position=512, family="llama"),
+    "30b-a3b-moe": SyntheticShape(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                                  head_dim=16, vocab_size=320, max_position=512, family="qwen3_moe",
+                                  num_experts=16, num_experts_per_tok=4, moe_intermediate_size=24),
+}
+DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+
+
+def shape(name: str, tiny: bool) -> SyntheticShape:
+    table = TINY if tiny else SHAPES
+    if name not in table:
+        raise SystemExit(f"unknown shape {name!r}; use one of: {', '.join(table)}")
+    return table[name]
+
+
+def profile_config(name: str, device: str, tiny: bool) -> str:
+    """A talaria.toml with one hot instance serving `name` at PROFILE_LAYERS layers, for `talaria profile`."""
+    s = shape(name, tiny)
+    fields = {k: getattr(s, k) for k in SyntheticShape.__dataclass_fields__}
+    fields["num_layers"] = min(s.num_layers, PROFILE_LAYERS)
+    if s.family not in ("qwen3_moe", "qwen2_moe"):
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "decoder_sparse_step"):
+            fields.pop(k, None)
+    lines = [f"{k} = {_toml(v)}" for k, v in fields.items() if v is not None]
+    arena = "1GiB" if tiny else "40GiB"
+    host_kv = "64MiB" if tiny else "4GiB"
+    return "\n".join([
+        f"# {name} layer shapes for `talaria profile` (written by bench/gpu_shapes.py; see docs/gpu.md)",
+        "[[models]]", f'name = "{name}"', 'source = "synthetic:"', f'dtype = "{DTYPE[device]}"', "seed = 0",
+        "[models.shape]", *lines, "",
+        "[[instances]]", 'name = "layers"', 'pool = "hot"', f'models = ["{name}"]', "tp = 1",
+        f'device = "{device}"', f'arena_bytes = "{arena}"', f'host_kv_bytes = "{host_kv}"',
+        "max_batch_tokens = 2048", "",
+    ])
+
+
+def _toml(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    cfg = sub.add_parser("config", help="write a `talaria profile` config for one shape")
+    cfg.add_argument("shape", choices=sorted(SHAPES))
+    cfg.add_argument("--device", choices=sorted(DTYPE), required=True)
+    cfg.add_argument("--tiny", action="store_true", help="toy sizes (gpu_check.sh --dry-run)")
+    cfg.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(profile_config(args.shape, args.device, args.tiny))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

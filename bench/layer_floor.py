@@ -1,0 +1,253 @@
+"""Per-layer prefill and decode time of 8B-dense and 30B-A3B-MoE layer shapes, against the HBM floor.
+
+    python bench/layer_floor.py [--device cuda|cpu] [--dtype D] [--tiny] [--shapes a,b]
+                                [--repeats N] [--json PATH]
+
+A few layers of each shape (bench/gpu_shapes.py) are built with weights drawn by torch on the
+device — nothing is read from or written to disk — and run through the engine's own forward
+(talaria/executor/llama.py: paged KV, SDPA attention, the MoE MLP where the shape has experts).
+Per layer it measures:
+
+* prefill: one prompt of P tokens into an empty cache;
+* decode: B sequences of context C, one new token each, for several B.
+
+The floor is the bytes a layer must move, over the device's copy bandwidth measured in the same
+run (a copy of N bytes moves 2N: it reads and writes each byte). A layer's bytes are its weights —
+for an MoE layer the attention, the router and only the experts the step's tokens were routed to,
+counted from the routing of that step — plus the KV it reads (decode: every sequence's context)
+or writes (prefill). A ratio of 1.0 is a layer that streams its bytes once at copy speed; decode
+should come near it, prefill is compute-bound and lies far above. Timings are of the forward alone
+(the step's attention metadata is built before), the median of --repeats runs, divided by the
+layers; the forward's embedding and final norm are in them and are negligible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gpu_shapes import SHAPES, shape  # bench/gpu_shapes.py, beside this script
+from report import ProgressLog, environment, render, write_json  # bench/report.py
+
+from talaria.contracts.arch import ModelArch
+from talaria.contracts.step_plan import SeqChunk, StepPlan
+from talaria.executor import moe
+from talaria.executor.attention import AttentionMeta
+from talaria.executor.kv_cache import KVCache
+from talaria.executor.llama import LlamaModel
+from talaria.executor.parallel import Shard, TPGroup
+from talaria.executor.weights import LayerWeights, ModelWeights
+from talaria.models.synthetic import synthetic_arch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+PAGE_SIZE = 16
+FULL = {"prefill": 2048, "context": 2048, "batches": (1, 8, 32, 64), "copy_bytes": 1 << 30}
+SMALL = {"prefill": 32, "context": 32, "batches": (1, 4), "copy_bytes": 16 << 20}  # --tiny
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` runs, after one untimed run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes per second the device moves in a plain copy, counting each byte read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), device, repeats)
+
+
+# ---- a few layers, weights drawn on the device --------------------------------------------------
+
+def build(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def lin(*shape: int) -> torch.Tensor:  # (..., out, in), scaled by 1/sqrt(in) like a real init
+        return torch.randn(shape, generator=g, device=device, dtype=dtype).mul_(shape[-1] ** -0.5)
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    h, hd = arch.hidden_size, arch.head_dim
+    layers = []
+    for i in range(arch.num_layers):
+        lw = LayerWeights(input_norm=norm(h), qkv=lin(arch.q_size + 2 * arch.kv_size, h), qkv_bias=None,
+                          q_norm=norm(hd) if arch.qk_norm else None, k_norm=norm(hd) if arch.qk_norm else None,
+                          o_proj=lin(h, arch.q_size), post_norm=norm(h))
+        if arch.is_moe_layer(i):
+            e, m = arch.num_experts, arch.moe_intermediate_size
+            lw.router, lw.experts_gate_up, lw.experts_down = lin(e, h), lin(e, 2 * m, h), lin(e, h, m)
+        else:
+            lw.gate_up, lw.down = lin(2 * arch.intermediate_size, h), lin(h, arch.intermediate_size)
+        layers.append(lw)
+    embed = lin(arch.vocab_size, h)
+    weights = ModelWeights(embed=embed, layers=layers, norm=norm(h), lm_head=embed)
+    return LlamaModel(arch, Shard(0, 1, arch), weights, TPGroup(0, 1), dtype)
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def layer_bytes(lw: LayerWeights, experts: int | None) -> int:
+    """Weight bytes one step reads from layer `lw`: everything, or for an MoE layer the attention,
+    the router and `experts` of its experts."""
+    dense = sum(nbytes(getattr(lw, f)) for f in LayerWeights.__slots__ if f not in ("experts_gate_up", "experts_down"))
+    if lw.experts_gate_up is None:
+        return dense
+    per_expert = (nbytes(lw.experts_gate_up) + nbytes(lw.experts_down)) // lw.experts_gate_up.shape[0]
+    return dense + experts * per_expert
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+
+def prefill_plan(tokens: int) -> StepPlan:
+    pages = tuple(range(math.ceil(tokens / PAGE_SIZE)))
+    return StepPlan("bench", (SeqChunk(0, tuple(i % 256 for i in range(tokens)), 0, pages, True),))
+
+
+def decode_plan(batch: int, context: int) -> StepPlan:
+    n = math.ceil(context / PAGE_SIZE)
+    return StepPlan("bench", tuple(SeqChunk(b, (b % 256,), context - 1, tuple(range(b * n, (b + 1) * n)), True)
+                                   for b in range(batch)))
+
+
+class Layers:
+    """The model, its paged KV, and a way to run a plan's forward and see its routing."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int) -> None:
+        self.arch, self.device = arch, device
+        self.model = build(arch, dtype, device)
+        shape = (pages + 1, *KVCache.page_shape(self.model.shard, PAGE_SIZE))
+        self.kv = KVCache(torch.randn(shape, device=device, dtype=dtype).mul_(0.1), PAGE_SIZE)
+        self.kv_item = self.kv.data.element_size()
+
+    def step(self, plan: StepPlan):
+        meta = AttentionMeta.build(plan, PAGE_SIZE, self.kv.null_page, self.device)
+        ids = torch.tensor([t for c in plan.chunks for t in c.token_ids], device=self.device)
+        pos = torch.tensor([p for c in plan.chunks for p in range(c.start_pos, c.context_len)], device=self.device)
+        return lambda: self.model.forward(ids, pos, meta, self.kv)
+
+    def routed(self, run) -> list[int | None]:
+        """Distinct experts each layer's tokens go to in one run of `run` (None: a dense layer)."""
+        seen: list[int] = []
+        original = moe.route
+
+        def recording(h, router, arch):
+            experts, weights = original(h, router, arch)
+            seen.append(int(experts.unique().numel()))
+            return experts, weights
+        moe.route = recording
+        try:
+            run()
+        finally:
+            moe.route = original
+        it = iter(seen)
+        return [next(it) if self.arch.is_moe_layer(i) else None for i in range(self.arch.num_layers)]
+
+    def row(self, plan: StepPlan, kv_bytes: int, bandwidth: float, repeats: int) -> dict:
+        run = self.step(plan)
+        experts = self.routed(run) if self.arch.is_moe else [None] * self.arch.num_layers
+        per_layer = [layer_bytes(lw, e) + kv_bytes for lw, e in zip(self.model.w.layers, experts)]
+        seconds = timed(run, self.device, repeats) / self.arch.num_layers
+        floor = statistics.mean(per_layer) / bandwidth
+        row = {"ms_per_layer": seconds * 1e3, "floor_ms_per_layer": floor * 1e3, "ratio": seconds / floor,
+               "bytes_per_layer": statistics.mean(per_layer), "tokens": plan.num_tokens}
+        if self.arch.is_moe:
+            row["experts_per_layer"] = statistics.mean(e for e in experts if e is not None)
+        return row
+
+
+def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device, sizes: dict,
+            bandwidth: float, repeats: int, log) -> dict:
+    kv_token = 2 * arch.kv_size  # K and V elements per token per layer
+    pages = max(math.ceil(sizes["prefill"] / PAGE_SIZE), max(sizes["batches"]) * math.ceil(sizes["context"] / PAGE_SIZE))
+    log(f"{name}: building {arch.num_layers} layers on {device} ({dtype}), {pages} KV pages")
+    layers = Layers(arch, dtype, device, pages)
+    p = sizes["prefill"]
+    log(f"{name}: prefill {p} tokens")
+    prefill = layers.row(prefill_plan(p), p * kv_token * layers.kv_item, bandwidth, repeats)
+    decode = []
+    for b in sizes["batches"]:
+        c = sizes["context"]
+        log(f"{name}: decode batch {b} at context {c}")
+        decode.append({"batch": b, "context": c,
+                       **layers.row(decode_plan(b, c), b * c * kv_token * layers.kv_item, bandwidth, repeats)})
+    dims = {k: getattr(arch, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                                          "num_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    del layers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"arch": dims, "family": arch.family, "dtype": str(dtype).removeprefix("torch."), "prefill": prefill,
+            "decode": decode}
+
+
+def table(results: dict) -> str:
+    rows = [("shape, step", "ms/layer", "floor ms/layer", "ratio", "MiB/layer", "experts")]
+    for name, r in results.items():
+        steps = [(f"prefill {r['prefill']['tokens']}", r["prefill"])]
+        steps += [(f"decode b{d['batch']} ctx {d['context']}", d) for d in r["decode"]]
+        for label, s in steps:
+            rows.append((f"{name}: {label}", f"{s['ms_per_layer']:.3f}", f"{s['floor_ms_per_layer']:.3f}",
+                         f"{s['ratio']:.2f}", f"{s['bytes_per_layer'] / 2**20:.1f}",
+                         f"{s['experts_per_layer']:.1f}" if "experts_per_layer" in s else "-"))
+    return render(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes and sizes (gpu_check.sh --dry-run)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from: {', '.join(SHAPES)}")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per step (the median is kept)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    ap.add_argument("--json", type=Path, default=Path("bench/results/layer_floor.json"))
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device; use --device cpu --tiny")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    names = [n for n in args.shapes.split(",") if n]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        ap.error(f"--shapes {args.shapes!r}: use names from {', '.join(SHAPES)}")
+    log, load_start = ProgressLog(), os.getloadavg()[0]
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    sizes = SMALL if args.tiny else FULL
+    bandwidth = copy_bandwidth(device, sizes["copy_bytes"], args.repeats)
+    log(f"copy bandwidth: {bandwidth / 2**30:.1f} GiB/s (read + write)")
+    results = {n: measure(n, synthetic_arch(shape(n, args.tiny)), dtype, device, sizes, bandwidth, args.repeats, log)
+               for n in names}
+    print(table(results))
+    print(f"(floor: bytes a layer moves / {bandwidth / 2**30:.1f} GiB/s measured copy bandwidth; ratio = time / floor)")
+    write_json(args.json, {"device": args.device, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else None, "tiny": args.tiny, "copy_bytes_per_s": bandwidth, "sizes": sizes,
+                           "page_size": PAGE_SIZE, "shapes": results,
+                           **environment(log, load_start)}, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
