@@ -38,9 +38,17 @@ class DrawParams:
         ps = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
 
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).view(-1, 1).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype).view(-1, 1), device)
         return DrawParams(col([p.temperature for p in params], torch.float32), col(ks, torch.int64),
                           col(ps, torch.float32), any(k < vocab for k in ks), any(p < 1.0 for p in ps))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, pinned first on CUDA: the copy is queued behind the step's
+    work instead of waiting for it, as a copy from pageable memory may."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def draw(scores: torch.Tensor, params: DrawParams, noise: torch.Tensor) -> torch.Tensor:
@@ -91,7 +99,7 @@ class Sampler:
             request_id, params = calls[row]
             try:
                 allowed = self.grammars.allowed(request_id, model, params.grammar, logits.shape[-1])
-                scores[row].masked_fill_(~allowed.to(scores.device), float("-inf"))
+                scores[row].masked_fill_(~to_device(allowed, scores.device), float("-inf"))
             except GrammarError as e:
                 failed[request_id] = str(e)
             except Exception as e:  # noqa: BLE001 -- one call's failure is that call's, never the step's
@@ -101,7 +109,7 @@ class Sampler:
         bad = torch.zeros_like(chosen)
         if rows:
             try:
-                index = torch.tensor(rows).to(scores.device, non_blocking=True)
+                index = to_device(torch.tensor(rows), scores.device)
                 params = DrawParams.of([calls[r][1] for r in rows], scores.shape[-1], scores.device)
                 chosen = chosen.index_copy(0, index, draw(scores[index], params, noise))
                 bad = bad.index_copy(0, index, broken(scores[index]).long())
