@@ -35,7 +35,7 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
     from talaria.config.errors import ConfigError
     from talaria.config.loader import config_warnings, default_config_path, load_config
     from talaria.gateway.gateway import create_app
-    from talaria.gateway.limits import send_deadline_protocol
+    from talaria.gateway.limits import KEEP_ALIVE_S, send_deadline_protocol
     from talaria.node.errors import InstanceFailed
     from talaria.node.preflight import check_files
     from talaria.node.supervisor import Supervisor
@@ -81,6 +81,7 @@ def up(config_path: Path | None, host: str | None, port: int | None, log_level: 
     # (uvicorn's limit_concurrency would answer in text/plain, /health included; talaria/gateway/limits.py)
     http = send_deadline_protocol(server.send_timeout_s) if server.send_timeout_s else "auto"
     uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, access_log=access_log,
-                proxy_headers=False, timeout_graceful_shutdown=cfg.server.drain_s, http=http)
+                proxy_headers=False, timeout_graceful_shutdown=cfg.server.drain_s, http=http,
+                timeout_keep_alive=KEEP_ALIVE_S)
     if not supervisor.groups or not all(g.ready and g.ready.error is None for g in supervisor.groups):
         sys.exit(1)

@@ -3,7 +3,7 @@
 
 `ConnectionLimit` bounds the requests in progress. HTTP/1.1 carries one request at a time on a
 connection, so that is the number of busy connections; an idle keep-alive connection holds no call
-and uvicorn closes it after 5 s. Requests over the limit get 503 in their API's error shape, with
+and uvicorn closes it after KEEP_ALIVE_S. Requests over the limit get 503 in their API's error shape, with
 Retry-After and `connection: close`. uvicorn's own `limit_concurrency` is not used: it answers
 `text/plain` "Service Unavailable" (no OpenAI or Anthropic client parses that), refuses `/health`
 too, and counts every open connection, the idle ones and the asking one included, so it serves at
@@ -37,6 +37,11 @@ from talaria.gateway.http import shaped
 
 log = logging.getLogger(__name__)
 
+# Idle keep-alive connections are closed after this, longer than clients keep them pooled (httpx, and so the
+# OpenAI and Anthropic SDKs, 5 s; aiohttp 15 s): with uvicorn's default of 5 s a client reusing a connection
+# idle for about 5 s races the server's close and gets a connection reset instead of an answer, as clients
+# that slept a Retry-After of about that long do
+KEEP_ALIVE_S = 30
 UNLIMITED_PATHS = frozenset({"/health", "/metrics"})  # probes: the event loop answers them, never an instance
 LOOKS = 4  # looks at a paused transport per send_timeout_s
 
