@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
+from talaria.executor.checkpoint import ShardReader
 from talaria.executor.parallel import Shard
 
 Shape = tuple[int, ...]
@@ -36,11 +37,12 @@ def moe_shapes(shard: Shard) -> list[Shape]:
     return shapes
 
 
-def load_moe(ckpt, prefix: str, shard: Shard, alloc: Callable[[Shape, str], torch.Tensor]) -> dict:
+def load_moe(ckpt: ShardReader, prefix: str, shard: Shard, alloc: Callable[[Shape, str], torch.Tensor]) -> dict:
     """One MoE layer's MLP into arena views from `alloc(shape, what)`, in `moe_shapes` order.
 
-    `ckpt.read_into(out, name, dim, start, stop)` copies a slice of a checkpoint tensor into `out`;
-    `prefix` is "model.layers.{i}.mlp.". Returns LayerWeights' MoE fields by name.
+    Each view is filled with this rank's slice of its checkpoint tensors (queued on `ckpt`: nothing
+    reads a whole expert, nor the whole fused tensor); `prefix` is "model.layers.{i}.mlp.". Returns
+    LayerWeights' MoE fields by name.
     """
     a, h, im = shard.arch, shard.arch.hidden_size, shard.moe_intermediate
     i0, i1 = shard.width_range(im)

@@ -2,19 +2,19 @@
 
 q/k/v are fused into one column-parallel matrix and gate/up into another, so a layer runs two
 matmuls where the checkpoint has five; shapes are per rank. An MoE layer's MLP holds its router
-and its experts instead (talaria/executor/moe.py).
+and its experts instead (talaria/executor/moe.py). The rank reads only its slices, straight into
+the arena (talaria/executor/checkpoint.py).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from talaria.executor.arena import Arena, align_up
+from talaria.executor.checkpoint import Progress, ShardReader
 from talaria.executor.moe import load_moe, moe_shapes
 from talaria.executor.parallel import Shard
 
@@ -46,36 +46,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # (H,)
     lm_head: torch.Tensor  # (V_local, H); the embedding itself when tied
-
-
-class _Checkpoint:
-    """Tensors by HF name across one or many safetensors files, opened lazily (mmap)."""
-
-    def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
-            self._file_of = {name: directory / f for name, f in files.items()}
-        else:
-            path = directory / "model.safetensors"
-            with safe_open(path, framework="pt") as f:
-                self._file_of = dict.fromkeys(f.keys(), path)
-        self._open: dict[Path, object] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._file_of
-
-    def read_into(self, out: torch.Tensor, name: str, dim: int | None = None, start: int = 0,
-                  stop: int | None = None) -> None:
-        """Copy tensor `name`, or its [start, stop) along `dim`, into `out` (converting the dtype)."""
-        path = self._file_of[name]
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        sl = self._open[path].get_slice(name)
-        if dim is None:
-            out.copy_(sl[:])
-        else:
-            out.copy_(sl[(slice(None),) * dim + (slice(start, stop),)])
+    bytes_read: int = 0  # checkpoint bytes this rank read to fill them (its slices, nothing more)
 
 
 def _layer_shapes(shard: Shard, layer: int) -> list[tuple[int, ...]]:
@@ -121,11 +92,16 @@ def rebind(weights: ModelWeights, source: Arena, target: Arena) -> ModelWeights:
     layers = [LayerWeights(*(move(getattr(lw, f)) for f in LayerWeights.__slots__)) for lw in weights.layers]
     embed = move(weights.embed)
     lm_head = embed if weights.lm_head is weights.embed else move(weights.lm_head)
-    return ModelWeights(embed=embed, layers=layers, norm=move(weights.norm), lm_head=lm_head)
+    return ModelWeights(embed=embed, layers=layers, norm=move(weights.norm), lm_head=lm_head,
+                        bytes_read=weights.bytes_read)
 
 
-def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype) -> ModelWeights:
-    ckpt = _Checkpoint(directory)
+def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype,
+                 progress: Progress | None = None) -> ModelWeights:
+    """This rank's shard of the checkpoint in `directory`, allocated in `arena` in load order.
+
+    `progress(bytes read, bytes to read)` is called as the reads advance."""
+    ckpt = ShardReader(directory)
     arch, hd = shard.arch, shard.arch.head_dim
     h0, h1 = shard.head_range
     k0, k1 = shard.kv_head_range
@@ -183,9 +159,6 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
         layers.append(lw)
     embed = vocab_rows("model.embed_tokens.weight")
     tied = arch.tie_word_embeddings or "lm_head.weight" not in ckpt
-    return ModelWeights(
-        embed=embed,
-        layers=layers,
-        norm=read("model.norm.weight", shape=(h,), what="model.norm"),
-        lm_head=embed if tied else vocab_rows("lm_head.weight"),
-    )
+    norm = read("model.norm.weight", shape=(h,), what="model.norm")
+    lm_head = embed if tied else vocab_rows("lm_head.weight")
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head, bytes_read=ckpt.run(progress))
