@@ -133,12 +133,17 @@ class PlacementCosts:
         else:
             c_kv = mp.prefill.seconds(reusable) * p_scale
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
-        queue = ahead * mp.prefill.seconds(mean_prompt) * p_scale + t.slot_wait_s
+        queue = ahead * mp.prefill.seconds(mean_prompt) * p_scale
         batch = view.snapshot.running + 1
         decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens) * t.decode_scale
         prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable) * p_scale
-        if req.new_session and view.load is not None:  # two estimates of what holds it back: the snapshot's
-            queue = max(queue, view.load.ahead_s(prefill + c_kv))  # queue, the admitted sessions' (tool gaps too)
+        if req.new_session and view.load is not None:
+            # two estimates of what holds it back: the snapshot's queue, and the admitted sessions' (tool gaps
+            # too). Not the rest of the open round: that is where the round happens to be as the call arrives,
+            # and would hand a burst's new sessions to whichever model's slot is open
+            queue = max(queue, view.load.ahead_s(prefill + c_kv))
+        else:
+            queue += t.slot_wait_s
         return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
                     queue + prefill + decode + c_kv + t.c_act_s)
 

@@ -84,3 +84,15 @@ def test_a_call_of_an_admitted_session_is_priced_at_its_prefill_and_its_share_of
     view.terms = {}
     assert r.costs.work_s(view, "m", 1000, 900, 10) == pytest.approx(0.2 + 10 * 0.012)
     assert r.costs.work_s(view, "unknown-model", 1000, 900, 10) is None
+
+
+def test_on_a_cold_instance_new_sessions_of_the_active_and_the_waiting_model_are_admitted_alike():
+    """The rest of the open round is where the round happens to be when a call arrives, not load:
+    the model whose slot is open must not take every new session of a burst."""
+    r, view = one(*[0.25] * 5)
+    view.snapshot = dataclasses.replace(view.snapshot, rounds=dataclasses.replace(view.snapshot.rounds,
+                                                                                  round_remaining_s=1.5))
+    view.terms = {}
+    active, waiting = new(), RouteRequest("n", "new-n", 500, 1, "r", new_session=True)
+    assert r.route(active).cost.queue_s == r.route(waiting).cost.queue_s == pytest.approx(1.25)
+    assert r.route(RouteRequest("n", "old", 500, 1, "r")).cost.queue_s == pytest.approx(1.5)  # a call waits
