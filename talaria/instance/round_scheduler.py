@@ -21,9 +21,9 @@ Budgets come from predicted costs (a CostModel over a profile) and the injected 
   does not fit waits (it is parked, and an event says so).
 Shortfalls are counted in `deadline_risk` and reported, never hidden by rolling work forward.
 
-Every step is of one phase; the scheduler records per phase and per round how long it took, and
-emits `slot_phase`, `sp_admit`, `sp_park` and `round` events. The same object runs under the live
-engine and the simulator: it sees time only through the clock and costs only through the model.
+Slots worth less than their switch are deferred (slot_policy.ThrashGuard). Each step is of one
+phase; the scheduler times phases and rounds, emits `slot_phase`, `sp_admit`, `sp_park` and `round`
+events, and sees time only through the clock and costs only through the model (live or simulated).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from talaria.instance.rounds import (
     Switch,
 )
 from talaria.instance.sequence import SeqStatus, Sequence
-from talaria.instance.slot_policy import SLOT_LENGTHS, SLOT_ORDERS
+from talaria.instance.slot_policy import SLOT_LENGTHS, SLOT_ORDERS, ThrashGuard
 
 ROUNDS_KEPT = 8  # round summaries kept for telemetry
 
@@ -74,7 +74,7 @@ class RoundScheduler:
         self._pending: tuple[str, Phase | None, float, float] | None = None  # (model, phase, predicted, t0)
         self._last_path = SwitchPath.H2D_ONLY  # of the switch in flight
         self.deadline_risk: Counter = Counter()
-        self._deferrals: Counter = Counter()  # model -> rounds in a row the thrash guard left it out
+        self._guard = ThrashGuard(config.thrash_k, config.max_deferrals)
         self.summaries: deque[dict] = deque(maxlen=ROUNDS_KEPT)
         self.sp_admitted = 0
         self.sp_parked = 0
@@ -152,30 +152,14 @@ class RoundScheduler:
             b = self.batchers[m]
             demand[m] = protected[m] * t_d + sum(self.costs.prefill_s(m, s.num_uncomputed) for s in b.waiting)
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
-        deferred: list[str] = []
-        while True:  # the thrash guard: drop the least worthwhile slot until every slot pays its switch
-            switches = self._switches(queue, active)
-            available = cfg.round_s - sum(switches.values())
-            budgets = SLOT_LENGTHS[cfg.length](max(0.0, available), {m: demand[m] for m in queue})
-            worthless = [m for m in queue if switches[m] > 0 and self._deferrals[m] < cfg.max_deferrals
-                         and min(budgets[m], demand[m]) < cfg.thrash_k * switches[m]]
-            if not worthless or len(queue) == 1:
-                break
-            worst = min(worthless, key=lambda m: min(budgets[m], demand[m]) / switches[m])
-            queue.remove(worst)
-            deferred.append(worst)
-        if available <= 0:
+        queue, switches, budgets, deferred = self._guard.slots(
+            queue, demand, lambda q: self._switches(q, active), SLOT_LENGTHS[cfg.length], cfg.round_s)
+        if sum(switches.values()) >= cfg.round_s:
             self.deadline_risk["round_infeasible"] += 1  # switches alone exceed gamma * ttft_s
         for m in queue:
-            self._deferrals[m] = 0
-            # a slot that switches serves at least what the switch is worth, round bound or not: a
-            # starved model (deferred max_deferrals times) or the only model with work gets that much
-            budgets[m] = max(budgets[m], min(demand[m], cfg.thrash_k * switches[m]))
             if protected[m] * self._decode_step_s(m) > budgets[m] and self.batchers[m].running:
                 self.deadline_risk["decode_share"] += 1  # the reserved decode does not fit the slot
-        for m in deferred:
-            self._deferrals[m] += 1
-            self.deadline_risk["thrash_deferred"] += 1
+        self.deadline_risk["thrash_deferred"] += len(deferred)
         self.round = Round(next(self._numbers), now, queue, budgets, protected, deferred)
 
     def _switches(self, queue: list[str], active: str | None) -> dict[str, float]:
@@ -191,14 +175,9 @@ class RoundScheduler:
         if not r.slots and not r.time["switch"]:
             self._numbers = count(r.number)  # nothing ran (work blocked on KV): no round to report
             return
-        wall = now - r.start
-        if wall > self.config.round_s * (1 + 1e-9):
+        summary = r.summary(now)
+        if summary["wall_s"] > self.config.round_s * (1 + 1e-9):
             self.deadline_risk["round_over"] += 1
-        summary = {"round": r.number, "start": r.start, "wall_s": wall, "active_s": wall - r.time["switch"],
-                   "switch_s": float(r.time["switch"]), "p_s": float(r.time["P"]), "d_s": float(r.time["D"]),
-                   "sp_s": float(r.time["SP"]),
-                   "sp_admitted": r.sp_admitted, "sp_parked": r.sp_parked, "slots": r.slots,
-                   "deferred": r.deferred}
         self.summaries.append(summary)
         self._emit(EventKind.ROUND, **summary)
 
@@ -231,10 +210,9 @@ class RoundScheduler:
             s.p_set = {seq.seq_id for seq in b.waiting} | {seq.seq_id for seq in b.running if seq.is_prefilling}
         owed = s.decode_steps < s.protected and bool(b.decoding)  # Eq. (4): reserved decode comes first
         # Closing the slot preempts every running sequence; what the host KV registry cannot keep
-        # (there is none, it is full, or it evicts the pages before they come back) is recomputed.
-        # A prompt that has lost KV so once finishes its prefill in its next slot, budget or not,
-        # which yields a token: otherwise a call longer than a slot could restart at every slot and
-        # never finish. Everything else, decode included, stays within the slot's budget.
+        # (none, full, or evicted before it comes back) is recomputed. A prompt that lost KV once
+        # finishes its prefill in its next slot, budget or not, which yields a token: else a call
+        # longer than a slot could restart at every slot forever. All else keeps the slot's budget.
         stranded = any(self._must_finish(q) for q in b.running)
         if s.steps and now - s.start >= s.budget_s and not owed and not stranded:
             return None
@@ -414,10 +392,7 @@ class RoundScheduler:
         return {
             "round": r.number if r else None,
             "round_remaining_s": remaining,
-            "slot": None if s is None else {"model": s.model, "phase": s.phase.value, "budget_s": s.budget_s,
-                                            "elapsed_s": now - s.start if s.start is not None else 0.0,
-                                            "protected": s.protected, "decode_steps": s.decode_steps,
-                                            "sp_opportunities": s.opportunities},
+            "slot": None if s is None else s.telemetry(now),
             "deadline_risk": dict(self.deadline_risk),
             "sp_admitted": self.sp_admitted,
             "sp_parked": self.sp_parked,

@@ -89,6 +89,11 @@ class Slot:
     seg_steps: int = 0
     seg_tokens: int = 0
 
+    def telemetry(self, now: float) -> dict:
+        return {"model": self.model, "phase": self.phase.value, "budget_s": self.budget_s,
+                "elapsed_s": now - self.start if self.start is not None else 0.0, "protected": self.protected,
+                "decode_steps": self.decode_steps, "sp_opportunities": self.opportunities}
+
 
 @dataclass(slots=True)
 class Round:
@@ -102,3 +107,11 @@ class Round:
     sp_admitted: int = 0
     sp_parked: int = 0
     slots: list[dict] = field(default_factory=list)
+
+    def summary(self, now: float) -> dict:
+        """The `round` event's data (docs/events.md): wall_s = active_s + switch_s."""
+        wall = now - self.start
+        return {"round": self.number, "start": self.start, "wall_s": wall, "active_s": wall - self.time["switch"],
+                "switch_s": float(self.time["switch"]), "p_s": float(self.time["P"]), "d_s": float(self.time["D"]),
+                "sp_s": float(self.time["SP"]), "sp_admitted": self.sp_admitted, "sp_parked": self.sp_parked,
+                "slots": self.slots, "deferred": self.deferred}

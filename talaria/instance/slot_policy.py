@@ -1,4 +1,5 @@
-"""Small strategy objects for cold-pool rounds: which model's slot comes next, and how long it is.
+"""Small strategy objects for cold-pool rounds: which model's slot comes next, how long it is, and
+which slots are worth their switch.
 
 Chosen by config (`slot_order`, `slot_length` in `[[instances]]`); the round scheduler calls them
 once per round with the models that have work.
@@ -6,6 +7,7 @@ once per round with the models that have work.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from talaria.config.schema import SlotLength, SlotOrder
@@ -37,6 +39,44 @@ def demand_split(available_s: float, demand: dict[str, float]) -> dict[str, floa
 
 def equal_split(available_s: float, demand: dict[str, float]) -> dict[str, float]:
     return {m: available_s / len(demand) for m in demand} if demand else {}
+
+
+class ThrashGuard:
+    """A slot that needs a switch must be predicted to serve at least k x the switch's cost.
+
+    Served work is the slot's budget or the model's predicted work, whichever is less. While some
+    slot falls short, the least worthwhile one (served / switch) leaves the round and the budgets
+    are split again among the rest, whose switches change with the order. A model is left out at
+    most `max_deferrals` rounds in a row (the starvation bound); every slot that switches, a starved
+    model's or a lone model's, then gets at least k x its switch (or its whole work) in budget,
+    round bound or not. At k = 1 no slot spends more time switching in than serving.
+    """
+
+    def __init__(self, k: float, max_deferrals: int) -> None:
+        self.k = k
+        self.max_deferrals = max_deferrals
+        self.deferrals: Counter = Counter()  # model -> rounds in a row it was left out
+
+    def slots(self, queue: list[str], demand: dict[str, float], switches_of: Callable[[list[str]], dict[str, float]],
+              split: SlotLengthFn, round_s: float) -> tuple[list[str], dict[str, float], dict[str, float], list[str]]:
+        """(the slots kept, in order; their predicted switches; their budgets; the models left out)."""
+        queue, deferred = list(queue), []
+        while True:
+            switches = switches_of(queue)
+            budgets = split(max(0.0, round_s - sum(switches.values())), {m: demand[m] for m in queue})
+            short = [m for m in queue if switches[m] > 0 and self.deferrals[m] < self.max_deferrals
+                     and min(budgets[m], demand[m]) < self.k * switches[m]]
+            if not short or len(queue) == 1:
+                break
+            worst = min(short, key=lambda m: min(budgets[m], demand[m]) / switches[m])
+            queue.remove(worst)
+            deferred.append(worst)
+        for m in queue:
+            self.deferrals[m] = 0
+            budgets[m] = max(budgets[m], min(demand[m], self.k * switches[m]))
+        for m in deferred:
+            self.deferrals[m] += 1
+        return queue, switches, budgets, deferred
 
 
 SLOT_ORDERS: dict[SlotOrder, SlotOrderFn] = {
