@@ -22,8 +22,9 @@ TTFT target rather than the round-admission bound, and must leave every admitted
 room in the KV pool. `work_s` prices one call for that load.
 
 Every price is the profile's, scaled by what the instance measured against it
-(`InstanceStats.cost_scale`: its EWMA of measured / profile-priced prefill and decode), so a
-machine slower than its profile (other load, a profile taken elsewhere) is not overcommitted.
+(`InstanceStats.cost_scale`: its EWMA of measured / profile-priced prefill, decode and opens by each
+switch path), so a machine slower than its profile (other load, a profile taken elsewhere) is not
+overcommitted, and placement moves away from it (tests/sim/test_router_learning.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from talaria.config.schema import RouterConfig
 from talaria.contracts.profile import ModelProfile
-from talaria.contracts.vocabulary import KVLocation
+from talaria.contracts.vocabulary import KVLocation, SwitchPath
 from talaria.routing.decision import RouteRequest
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.leases import Lease, LeaseTable
@@ -100,14 +101,16 @@ class PlacementCosts:
             if mp is None:
                 return None
             active, staged = s.active_model == model, s.staged_model == model
+            scale = s.cost_scale
             if active:
                 c_act = 0.0
-            else:
-                c_act = p.switch_s(model, s.substrate.get("staging_coverage", 0.0) if staged else 0.0)
+            else:  # the open as priced, times what this instance measured for opens by that path
+                coverage = s.substrate.get("staging_coverage", 0.0) if staged else 0.0
+                path = SwitchPath.for_coverage(coverage).value
+                c_act = p.switch_s(model, coverage) * scale.get(f"{model}/switch:{path}", 1.0)
             wait = s.rounds.round_remaining_s if (s.rounds is not None and not active) else 0.0
             free = s.kv_pages_total - (s.kv_pages_used if active else 0)
             admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
-            scale = s.cost_scale
             t = view.terms[model] = Terms(mp, active, staged, c_act, wait, free, admit,
                                           admit if view.ttft_s is None else view.ttft_s,
                                           scale.get(f"{model}/prefill", 1.0), scale.get(f"{model}/decode", 1.0))

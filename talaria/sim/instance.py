@@ -34,10 +34,11 @@ class SimInstance:
     def __init__(self, config: InstanceConfig, profile: Profile, loop: EventLoop,
                  on_outputs: Callable[[SimInstance, list[CallOutput]], None],
                  on_events: Callable[[list], None], runtime_bytes: int | None = None,
-                 learn: bool = False) -> None:
+                 learn: bool = False, slowdown: tuple[float, float] | None = None) -> None:
         """`runtime_bytes`: the arena's runtime region (default: a GPU-sized guess, at most 1/64 of
         the arena). `learn`: the round scheduler's cost model learns from step times, as live;
-        off, it charges the profile exactly (its step times are the profile's anyway)."""
+        off, it charges the profile exactly (its step times are the profile's anyway). `slowdown`:
+        (from, factor): from virtual time `from` on, every step takes `factor` x its price."""
         self.config = config
         self.name = config.name
         self.profile = profile
@@ -63,6 +64,7 @@ class SimInstance:
         self.memory = self.scheduler.memory
         self.ledger = RankLedger(0, ps)
         self.busy = False
+        self.slowdown = slowdown
         self.hbm_peak_bytes = 0
         self._hbm_fixed: dict[str, tuple[int, int]] = {}  # model -> (weights + runtime bytes, page bytes)
 
@@ -109,8 +111,11 @@ class SimInstance:
 
     def step_cost(self, plan: StepPlan) -> float:
         """Seconds of one engine step: the profile's price for it (`Profile.step_s`), which is what the
-        scheduler predicted for it too."""
-        return self.profile.step_s(plan, self.memory.page_size)
+        scheduler predicted for it too (times the slowdown, once it applies)."""
+        seconds = self.profile.step_s(plan, self.memory.page_size)
+        if self.slowdown is not None and self.clock() >= self.slowdown[0]:
+            seconds *= self.slowdown[1]
+        return seconds
 
     def _commit(self, plan: StepPlan, seconds: float) -> None:
         ops = plan.ops or MemoryOps()

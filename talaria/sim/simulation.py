@@ -40,6 +40,10 @@ class SimOptions:
     heartbeat_s: float = 0.5  # instance snapshots reach the router this often
     seed: int = 0  # token streams
     keep_events: bool = False  # keep every event (for --events); counts are kept either way
+    # a machine that drifts from its profile: instance -> (from this virtual time, steps take x factor).
+    # A slowed instance's cost model learns from its step times, as a live one does (the others'
+    # steps cost exactly what their profile says, so there is nothing for them to learn)
+    slowdown: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -87,7 +91,8 @@ class Simulation:
         self.router = Router(config.router, self.clock, self._router_event)
         self.instances: dict[str, SimInstance] = {}
         for inst in config.instances:
-            sim = SimInstance(inst, profile, self.loop, self._outputs, self._events)
+            slow = options.slowdown.get(inst.name)
+            sim = SimInstance(inst, profile, self.loop, self._outputs, self._events, learn=slow is not None, slowdown=slow)
             self.instances[inst.name] = sim
             self.router.views[inst.name] = InstanceView(inst.name, inst.models, healthy=True, profile=profile)
         self.events: list[Event] = []
