@@ -158,8 +158,9 @@ class InstanceConfig:
     threads: int = 0  # torch threads per worker process; 0 = the machine's cores shared by all workers
     host_kv_bytes: int = 256 << 20  # per rank: host KV registry (HKVR) slabs; 0 turns HKVR off
     staging_chunk_bytes: int = 1 << 20  # next model's weights staged in KV-pool tails in chunks; 0 = off
+    # TTFT target: new sessions are admitted only if predicted to start within it (docs/router.md);
     # cold pools: rounds of one slot per model with work, bounded by gamma * ttft_s (paper Eq. (5))
-    ttft_s: float = 2.0  # TTFT target: a model is revisited within gamma * ttft_s
+    ttft_s: float = 2.0
     tpot_s: float = 0.25  # time-per-output-token target: decode share per round (paper Eq. (4))
     gamma: float = 0.8  # admission margin, < 1
     slot_order: SlotOrder = SlotOrder.ROUND_ROBIN
