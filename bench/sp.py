@@ -1,202 +1,310 @@
-"""Session-prefill (SP) on a live cold instance: one agent workload, replayed with SP on and off.
+"""Session-prefill (SP) on a live cold instance, in paired runs with SP on and off, beside the simulator.
 
-    python bench/sp.py [--json PATH] [--sessions N] [--turns K] [--max-tokens MIN MAX] [--seed S] [--tp T]
+    python bench/sp.py [--json PATH] [--pairs N] [--profile PATH] [--workdir DIR]
 
-Starts `talaria up` with ONE cold instance serving two synthetic models (the shapes of `tiny-llama`
-and `tiny-qwen3` in talaria/talaria.toml, in float64 so greedy outputs cannot flip on a near-tie
-when batches differ), replays `agent_sessions` closed-loop against it (paper App. A: bodies, call
-order and gaps fixed), and stops it; then the same with `ablations = ["sp"]`. Tool gaps are far
-shorter than a slot and completion lengths vary per call, so many returns arrive while another
-session of their model still decodes and its slot is open: SP admits them mid-slot, while without
-SP they wait for the model's next slot. The round budget (gamma * ttft_s, 1.6 s by default) is
-long enough that this wait, about a round, stands out from the noise of a shared 2-core machine;
-with rounds of ~300 ms the saving per admission is of the order of run-to-run variation there.
+The workload and the instance are fixed in bench/sp_workload.py, which derives them from the paper
+(its docstring): three float64 tiny models on one cold instance with 1.6 s rounds, ten sessions per
+model, eleven calls each, tool gaps of the paper's distribution scaled by 1.6 s / 8 s. Nothing about
+them is an option, so nothing can be tuned to a result.
 
-Reports SCT (session completion time: first intended enqueue -> last response) sum, p50 and p95,
-schedule-aware TTFT, and from the event log the SP admissions, rounds and switches of each run.
-Fails (exit 1) unless every call succeeded, every call's text is identical in both runs (SP may
-change when a call runs, never what it returns) and the SCT sum is lower with SP. Progress goes to
-stderr, the table to stdout, everything to the JSON file (default bench/results/sp.json).
+1. **Profile.** `talaria profile` measures the instance on this machine (about 20 s) unless
+   `--profile` names one. The live runs budget their rounds with this file (`profile = ...` in
+   their config) and the simulator charges it, so both start from the same costs.
+2. **Live pairs.** `talaria up` with SP on, the trace replayed closed-loop (`talaria replay`'s
+   synthesized bodies: fixed prompts, ignore_eos, greedy), stopped; then the same with
+   `ablations = ["sp"]`. A pair's order alternates (on-off, off-on, ...) so drift in the machine's
+   load falls on both sides equally; the default 4 pairs balance the two orders.
+3. **Simulated.** `talaria.sim`'s `Simulation` runs the same trace on the same config, SP on and
+   off, twice: on the profile as measured, and on the profile with each model's prefill and decode
+   curves scaled by the corrections the live runs measured (every cold instance keeps an EWMA of
+   measured / profile-priced step time per model and kind of work; each run samples it from
+   `/talaria/telemetry` every 0.5 s, and the scale is the mean over samples and runs). The live
+   instance ran its steps about twice as slowly as `talaria profile`'s fastest-of-runs probes on this
+   shared machine, which moves the workload from a round that fills two thirds of its bound to a
+   saturated one; a prediction for the machine the runs actually had is the live-corrected one.
+   These are mechanism costs (step times), never outcomes (profiles/README.md).
+
+The statistic is the SCT sum over the 30 sessions (SCT: a session's first intended enqueue to its
+last response), chosen before measuring: SP saves time per admitted continuation, and the sum adds
+up every such saving, while the median of 30 sessions rests on the one or two in the middle, whose
+SCT moves with where their returns fell in the rounds. A pair's ratio is SP-off sum / SP-on sum.
+
+Must show (issue 20, item 5): the median ratio over pairs > 1, every pair's ratio > 1, and the
+median within +-25% of the simulator's live-corrected ratio (the as-measured one is beside it).
+Exit 1 when it does not hold, when any call failed, when any call's text differs between runs
+(SP may change when a call runs, never what it returns), or when the talaria sources changed
+between runs (others edit this checkout; each run records a fingerprint of them). Progress on stderr, the table on stdout,
+everything to the JSON (default bench/results/sp.json), with the load average at the start and end
+of every run and each run's mean cost corrections.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import hashlib
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import httpx
-from report import (  # bench/report.py, beside this script
-    ProgressLog,
-    environment,
-    render,
-    write_json,
-)
+import sp_workload as wl  # bench/sp_workload.py, beside this script
+from report import ProgressLog, environment, render, write_json  # bench/report.py
 from server import start_server, stop_server, wait_healthy  # bench/server.py
 
-from talaria.replay import ReplayResult, agent_sessions, percentile, replay_sync
+from talaria.cli.replay_cmd import replay_sessions
+from talaria.config.loader import load_config
+from talaria.contracts.profile import Profile
+from talaria.contracts.profile_file import load_profile
+from talaria.contracts.trace import TraceCall
+from talaria.replay import ReplayResult, percentile, replay
+from talaria.sim.simulation import SimOptions, Simulation
 
-MODELS = ("tiny-llama", "tiny-qwen3")
-SHAPE = """hidden_size = 128
-intermediate_size = 256
-num_layers = 4
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 512
-max_position = 2048
-"""
-
-
-def config_text(tp: int, ttft_s: float, tpot_s: float, gamma: float, ablations: list[str], events: Path) -> str:
-    """One cold instance, two synthetic models, the event log on."""
-    models = "".join(
-        f'[[models]]\nname = "{name}"\nsource = "synthetic:"\ndtype = "float64"\nseed = {seed}\n\n'
-        f'[models.shape]\nfamily = "{family}"\n{SHAPE}tie_word_embeddings = {tie}\n\n'
-        for name, seed, family, tie in ((MODELS[0], 1, "llama", "false"), (MODELS[1], 2, "qwen3", "true")))
-    return (f'[server]\nhost = "127.0.0.1"\n\n{models}'
-            f'[[instances]]\nname = "cold-0"\npool = "cold"\nmodels = {json.dumps(list(MODELS))}\ntp = {tp}\n'
-            f'arena_bytes = "256MiB"\nhost_kv_bytes = "64MiB"\nstaging_chunk_bytes = "64KiB"\n'
-            f"ttft_s = {ttft_s}\ntpot_s = {tpot_s}\ngamma = {gamma}\nablations = {json.dumps(ablations)}\n\n"
-            '[router]\npolicy = "session-sticky"\n\n'  # one instance: routing is not what is measured
-            f'[telemetry]\nevents_path = "{events}"\n')
+TOLERANCE = 0.25  # the median live ratio within +-25% of the simulator's
+POLL_S = 0.5  # how often a live run samples the instance's cost corrections
 
 
-# ---- one run ---------------------------------------------------------------------------------
+def measure_profile(workdir: Path, log: ProgressLog) -> Path:
+    config, out = workdir / "talaria-profile.toml", workdir / "profile.toml"
+    config.write_text(wl.config_text([], None, None))
+    log("profile: talaria profile --instance cold-0")
+    subprocess.run([sys.executable, "-m", "talaria.cli.main", "profile", "--config", str(config),
+                    "--instance", "cold-0", "--out", str(out)], check=True)
+    return out
 
-def run(label: str, ablations: list[str], sessions, args, workdir: Path, log) -> tuple[ReplayResult, list[dict]]:
-    """Start a server with these ablations, warm both models up, replay, stop; the result and events."""
-    events_path = workdir / f"events-{label}.jsonl"
-    config = workdir / f"talaria-{label}.toml"
-    config.write_text(config_text(args.tp, args.ttft_s, args.tpot_s, args.gamma, ablations, events_path))
+
+def code_fingerprint() -> str:
+    """A hash of the talaria package's sources as a server started now would import them: in a
+    shared checkout others edit, runs that saw different code are not a pair."""
+    root = Path(__file__).resolve().parent.parent / "talaria"
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def config_file(workdir: Path, label: str, sp: bool, profile: Path) -> tuple[Path, Path]:
+    events, config = workdir / f"events-{label}.jsonl", workdir / f"talaria-{label}.toml"
+    config.write_text(wl.config_text([] if sp else ["sp"], events, profile.resolve()))
+    return config, events
+
+
+# ---- live --------------------------------------------------------------------------------------
+
+def live_run(label: str, sp: bool, trace: list[TraceCall], profile: Path, workdir: Path,
+             log: ProgressLog) -> tuple[ReplayResult, dict]:
+    """Start a server, warm every model up, replay the trace, stop; the result and its summary."""
+    config, events_path = config_file(workdir, label, sp, profile)
     log_path = workdir / f"talaria-{label}.log"
+    load_start, code = os.getloadavg()[0], code_fingerprint()
     proc, base_url = start_server(config, log_path)
     try:
         wait_healthy(proc, base_url, log_path)
-        log(f"{label}: serving on {base_url}; warming up both models")
-        for model in MODELS:  # first opens and runtime state, outside the measurement
+        for model, *_ in wl.MODELS:  # first opens and runtime state, outside the measurement
             httpx.post(base_url + "/v1/completions", timeout=120, json={
                 "model": model, "prompt": "warm up", "max_tokens": 2, "temperature": 0}).raise_for_status()
-        done = Counter()
-
-        def progress(call) -> None:
-            done[call.session_id] += 1
-            if done[call.session_id] == args.turns:
-                log(f"{label}: session {call.session_id} done ({sum(done.values())} calls)")
-
-        log(f"{label}: replaying {len(sessions)} sessions x {args.turns} calls")
-        result = replay_sync(base_url, sessions, on_call=progress)
+        log(f"{label}: replaying {len(trace)} calls on {base_url} (load average {load_start:.2f})")
+        result, scales = asyncio.run(replay_sampling(base_url, trace))
     finally:
         stop_server(proc)
     events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
-    return result, events
+    summary = {"label": label, "sp": sp, "code": code, **run_summary(result, events), "cost_scale_mean": scales,
+               "load_average": {"start": load_start, "end": os.getloadavg()[0]}}
+    log(f"{label}: SCT sum {summary['sct_sum_s']:.1f} s, {summary['sp_admissions']} SP admissions, "
+        f"{summary['rounds']} rounds, {summary['errors']} failed calls")
+    return result, summary
+
+
+async def replay_sampling(base_url: str, trace: list[TraceCall]) -> tuple[ReplayResult, dict[str, float]]:
+    """The closed-loop replay, and beside it the instance's cost corrections (measured / profile-priced
+    step time, the EWMA every cold instance keeps per model and kind of work) sampled every POLL_S:
+    their mean per "model/kind" is how far this run's steps were from the profile."""
+    samples: dict[str, list[float]] = {}
+    done = asyncio.Event()
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not done.is_set():
+                try:
+                    body = (await http.get(base_url + "/talaria/telemetry")).json()
+                    stats = body["instances"]["cold-0"]["stats"] or {}
+                    for key, scale in (stats.get("cost_scale") or {}).items():
+                        samples.setdefault(key, []).append(scale)
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    pass  # a missed sample; the next one will do
+                try:
+                    await asyncio.wait_for(done.wait(), POLL_S)
+                except TimeoutError:
+                    pass
+
+    poller = asyncio.create_task(poll())
+    try:
+        result = await replay(base_url, replay_sessions(trace, "completions"), gap_cap_s=wl.GAP_CAP_S)
+    finally:
+        done.set()
+        await poller
+    return result, {k: statistics.fmean(v) for k, v in sorted(samples.items())}
 
 
 def run_summary(result: ReplayResult, events: list[dict]) -> dict:
     kinds = Counter(e["kind"] for e in events)
     rounds = [e["wall_s"] for e in events if e["kind"] == "round"]
-    return {**result.summary(), "events_by_kind": dict(kinds), "sp_admissions": kinds.get("sp_admit", 0),
-            "sp_parks": kinds.get("sp_park", 0), "rounds": len(rounds), "switches": kinds.get("switch", 0),
-            "round_wall_p50_s": percentile(rounds, 50) if rounds else None}
+    return {**result.summary(), "sp_admissions": kinds.get("sp_admit", 0), "sp_parks": kinds.get("sp_park", 0),
+            "rounds": len(rounds), "switches": kinds.get("switch", 0),
+            "round_wall_p50_s": percentile(rounds, 50) if rounds else None,
+            "sct_s": {s.session_id: s.sct_s for s in result.sessions}}
 
 
-def table(on: dict, off: dict) -> str:
-    def s(v):
-        return "-" if v is None else f"{v:.2f}"
+# ---- simulated ---------------------------------------------------------------------------------
 
-    def ms(v):
-        return "-" if v is None else f"{v * 1e3:.0f}"
+def simulate(trace: list[TraceCall], profile: Profile, profile_path: Path, workdir: Path, log: ProgressLog,
+             name: str) -> dict:
+    """The simulator's SCT sums with SP on and off for the same trace and config, on `profile`."""
+    out = {}
+    for label, sp in (("sim-on", True), ("sim-off", False)):
+        config, _ = config_file(workdir, f"{name}-{label}", sp, profile_path)
+        r = Simulation(load_config(config), profile, trace, SimOptions(gap_cap_s=wl.GAP_CAP_S)).run()
+        sct, sessions = list(r.sct_s.values()), len({c.session for c in trace})
+        if len(sct) != sessions:
+            raise SystemExit(f"{name} {label}: the simulation finished {len(sct)} sessions of {sessions}")
+        walls = [x["wall_s"] for x in r.rounds]
+        out[label] = {"sct_sum_s": sum(sct), "sct_p50_s": percentile(sct, 50), "virtual_s": r.virtual_s,
+                      "sp_admissions": r.counts.get("sp_admit", 0), "sp_parks": r.counts.get("sp_park", 0),
+                      "rounds": len(r.rounds), "switches": len(r.switches),
+                      "round_wall_p50_s": percentile(walls, 50) if walls else None,
+                      "errors": sum(c.error is not None for c in r.calls), "sct_s": r.sct_s}
+        log(f"{name} {label}: SCT sum {out[label]['sct_sum_s']:.1f} s in {r.virtual_s:.1f} virtual s "
+            f"({r.wall_s:.1f} s wall), {out[label]['sp_admissions']} SP admissions")
+    out["ratio"] = out["sim-off"]["sct_sum_s"] / out["sim-on"]["sct_sum_s"]
+    return out
 
-    def ratio(a, b):
-        return "-" if not a or b is None else f"{b / a:.2f}"
 
-    rows = [("metric", "SP on", "SP off", "off/on")]
-    for key, name in (("sct_sum_s", "SCT sum, s"), ("sct_p50_s", "SCT p50, s"), ("sct_p95_s", "SCT p95, s"),
-                      ("wall_s", "replay wall, s")):
-        rows.append((name, s(on[key]), s(off[key]), ratio(on[key], off[key])))
-    for key, name in (("ttft_p50_s", "TTFT p50 (schedule-aware), ms"), ("ttft_p95_s", "TTFT p95, ms"),
-                      ("round_wall_p50_s", "round wall p50, ms")):
-        rows.append((name, ms(on[key]), ms(off[key]), ratio(on[key], off[key])))
-    for key, name in (("sp_admissions", "SP admissions"), ("sp_parks", "SP parks"), ("rounds", "rounds"),
-                      ("switches", "switches"), ("errors", "failed calls")):
-        rows.append((name, str(on[key]), str(off[key]), "-"))
-    return render(rows)
+def corrected(profile: Profile, runs: list[dict]) -> tuple[Profile, dict[str, float]]:
+    """The profile with each model's prefill and decode curves scaled by the mean correction the
+    live runs measured (over all runs, SP on and off alike: one machine, one set of costs)."""
+    keys = {k for r in runs for k in r["cost_scale_mean"]}
+    scale = {k: statistics.fmean(r["cost_scale_mean"][k] for r in runs if k in r["cost_scale_mean"])
+             for k in sorted(keys)}
+    models = {}
+    for name, mp in profile.models.items():
+        p, d = scale.get(f"{name}/prefill", 1.0), scale.get(f"{name}/decode", 1.0)
+        prefill = dataclasses.replace(mp.prefill, base_s=mp.prefill.base_s * p, per_token_s=mp.prefill.per_token_s * p,
+                                      per_token_context_s=mp.prefill.per_token_context_s * p)
+        decode = dataclasses.replace(mp.decode, base_s=mp.decode.base_s * d, per_seq_s=mp.decode.per_seq_s * d,
+                                     per_context_token_s=mp.decode.per_context_token_s * d)
+        models[name] = dataclasses.replace(mp, prefill=prefill, decode=decode)
+    return dataclasses.replace(profile, models=models, method=profile.method + ", scaled by live corrections"), scale
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def verdict(ratios: list[float], sim_ratio: float) -> dict:
+    median = statistics.median(ratios)
+    checks = {"median_above_1": median > 1, "every_pair_above_1": all(r > 1 for r in ratios),
+              "within_tolerance_of_sim": abs(median / sim_ratio - 1) <= TOLERANCE}
+    return {"ratios": ratios, "median": median, "min": min(ratios), "max": max(ratios), "sim_ratio": sim_ratio,
+            "median_over_sim": median / sim_ratio, "tolerance": TOLERANCE, **checks, "holds": all(checks.values())}
+
+
+def table(pairs: list[dict], sims: dict[str, dict], v: dict) -> str:
+    def ms(run: dict) -> str:
+        return "-" if run["round_wall_p50_s"] is None else f"{run['round_wall_p50_s'] * 1e3:.0f}"
+
+    def row(name: str, on: dict, off: dict, ratio: float, load: str) -> tuple[str, ...]:
+        return (name, f"{on['sct_sum_s']:.1f}", f"{off['sct_sum_s']:.1f}", f"{ratio:.3f}", str(on["sp_admissions"]),
+                f"{on['sp_parks']}/{off['sp_parks']}", f"{on['rounds']}/{off['rounds']}", f"{ms(on)}/{ms(off)}", load)
+
+    rows = [("pair (order)", "SCT sum on s", "SCT sum off s", "off/on", "SP admits on", "parks on/off",
+             "rounds on/off", "round p50 on/off ms", "load on/off")]
+    for i, p in enumerate(pairs, 1):
+        load = f"{p['on']['load_average']['start']:.1f}/{p['off']['load_average']['start']:.1f}"
+        rows.append(row(f"{i} ({p['order']})", p["on"], p["off"], p["ratio"], load))
+    for name, sim in sims.items():
+        rows.append(row(f"simulator, {name}", sim["sim-on"], sim["sim-off"], sim["ratio"], "-"))
+    summary = (f"median off/on {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}); simulator "
+               f"{v['sim_ratio']:.3f}; median/simulator {v['median_over_sim']:.3f} (within +-{TOLERANCE:.0%}: "
+               f"{'yes' if v['within_tolerance_of_sim'] else 'no'}); every pair > 1: "
+               f"{'yes' if v['every_pair_above_1'] else 'no'}; must-show {'holds' if v['holds'] else 'does NOT hold'}")
+    return render(rows) + "\n" + summary
+
+
+def live_pairs(n: int, trace: list[TraceCall], profile: Path, workdir: Path, log: ProgressLog
+               ) -> tuple[list[dict], list[dict], set[tuple[str, int]]]:
+    """`n` pairs in alternating order; the pairs, every run's summary, and the calls whose text
+    differed from the first run's."""
+    runs, pairs, texts, differing = [], [], {}, set()
+    for i in range(n):
+        pair: dict = {"order": "on-off" if i % 2 == 0 else "off-on"}
+        for sp in ((True, False) if i % 2 == 0 else (False, True)):
+            result, summary = live_run(f"pair{i + 1}-{'on' if sp else 'off'}", sp, trace, profile, workdir, log)
+            for c in result.calls:
+                if texts.setdefault((c.session_id, c.index), c.text) != c.text:
+                    differing.add((c.session_id, c.index))
+            runs.append(summary)
+            pair["on" if sp else "off"] = summary
+        pair["ratio"] = pair["off"]["sct_sum_s"] / pair["on"]["sct_sum_s"]
+        log(f"pair {i + 1}: off/on {pair['ratio']:.3f}")
+        pairs.append(pair)
+    return pairs, runs, differing
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=Path("bench/results/sp.json"), help="where to write results")
-    ap.add_argument("--sessions", type=int, default=3, help="sessions per model")
-    ap.add_argument("--turns", type=int, default=6, help="calls per session")
-    ap.add_argument("--max-tokens", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"),
-                    help="tokens generated per call, drawn uniformly per call (fixed across both runs)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the agent workload")
-    ap.add_argument("--system-chars", type=int, default=600, help="system prompt (= tokens: byte tokenizer)")
-    ap.add_argument("--tool-chars", type=int, default=120, help="tool result appended per call")
-    ap.add_argument("--gap", type=float, nargs=2, default=(0.01, 0.1), metavar=("MIN", "MAX"),
-                    help="tool gaps, uniform in [MIN, MAX] seconds")
-    ap.add_argument("--tp", type=int, default=1, help="ranks of the cold instance")
-    ap.add_argument("--ttft-s", type=float, default=2.0, help="TTFT target; rounds last at most gamma * ttft_s")
-    ap.add_argument("--tpot-s", type=float, default=0.2, help="time-per-output-token target")
-    ap.add_argument("--gamma", type=float, default=0.8, help="admission margin, < 1")
+    ap.add_argument("--pairs", type=int, default=4, help="SP on/off pairs, alternating order (at least 3)")
+    ap.add_argument("--profile", type=Path, help="a profile of this instance instead of measuring one")
     ap.add_argument("--workdir", type=Path, help="keep configs, server logs and event logs here")
     args = ap.parse_args(argv)
-    if min(args.sessions, args.turns, *args.max_tokens) < 1 or args.max_tokens[0] > args.max_tokens[1]:
-        ap.error("--sessions, --turns and --max-tokens must be at least 1, and --max-tokens MIN <= MAX")
+    if args.pairs < 3:
+        ap.error("--pairs must be at least 3: one pair cannot tell an effect from noise")
 
     log = ProgressLog()
     load_start = os.getloadavg()[0]
-    workload = {"models": list(MODELS), "sessions_per_model": args.sessions, "turns": args.turns,
-                "seed": args.seed, "system_chars": args.system_chars, "tool_chars": args.tool_chars,
-                "max_tokens": list(args.max_tokens), "gap_s": list(args.gap)}
-    sessions = agent_sessions(list(MODELS), args.sessions, args.turns, seed=args.seed,
-                              system_chars=args.system_chars, tool_chars=args.tool_chars,
-                              max_tokens=tuple(args.max_tokens), gap_s=tuple(args.gap))
-    longest = max(len(c.body["prompt"]) + c.body["max_tokens"] for s in sessions for c in s.calls)
-    if longest > 2048:
-        ap.error(f"the longest call needs {longest} tokens, over the models' 2048; use fewer --turns or chars")
+    trace = wl.workload()
     with tempfile.TemporaryDirectory(prefix="talaria-sp-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        log(f"workdir {workdir}, load average {load_start:.2f}")
-        on_result, on_events = run("sp-on", [], sessions, args, workdir, log)
-        off_result, off_events = run("sp-off", ["sp"], sessions, args, workdir, log)
-    on, off = run_summary(on_result, on_events), run_summary(off_result, off_events)
-    texts_on = {(c.session_id, c.index): c.text for c in on_result.calls}
-    texts_off = {(c.session_id, c.index): c.text for c in off_result.calls}
-    differing = sorted(k for k in texts_on if texts_on[k] != texts_off.get(k))
-    result = {
-        "sct_sum_sp_on_s": on["sct_sum_s"], "sct_sum_sp_off_s": off["sct_sum_s"],
-        "sct_p50_sp_on_s": on["sct_p50_s"], "sct_p50_sp_off_s": off["sct_p50_s"],
-        "sct_p95_sp_on_s": on["sct_p95_s"], "sct_p95_sp_off_s": off["sct_p95_s"],
-        "ttft_p50_sp_on_s": on["ttft_p50_s"], "ttft_p50_sp_off_s": off["ttft_p50_s"],
-        "ttft_p95_sp_on_s": on["ttft_p95_s"], "ttft_p95_sp_off_s": off["ttft_p95_s"],
-        "sp_admissions_on": on["sp_admissions"], "sp_admissions_off": off["sp_admissions"],
-        "outputs_identical": not differing, "differing_calls": [list(k) for k in differing],
-        "speedup_sct_sum": off["sct_sum_s"] / on["sct_sum_s"] if on["sct_sum_s"] else None,
-        "workload": workload,
-        "instance": {"tp": args.tp, "ttft_s": args.ttft_s, "tpot_s": args.tpot_s, "gamma": args.gamma,
-                     "arena_bytes": 256 << 20, "host_kv_bytes": 64 << 20, "dtype": "float64"},
-        "runs": {"sp_on": {"summary": on, "replay": on_result.to_dict()},
-                 "sp_off": {"summary": off, "replay": off_result.to_dict()}},
-        **environment(log, load_start),
-    }
-    print(table(on, off))
+        log(f"workdir {workdir}, {len(trace)} calls, load average {load_start:.2f}")
+        path = args.profile or measure_profile(workdir, log)
+        profile = load_profile(path)
+        sims = {"profile": simulate(trace, profile, path, workdir, log, "profile")}
+        pairs, runs, differing = live_pairs(args.pairs, trace, path, workdir, log)
+        live_profile, scales = corrected(profile, runs)
+        log("corrections: " + ", ".join(f"{k} {s:.2f}" for k, s in sorted(scales.items())))
+        sims["live-corrected"] = simulate(trace, live_profile, path, workdir, log, "live-corrected")
+        profile_text = path.read_text()
+    v = verdict([p["ratio"] for p in pairs], sims["live-corrected"]["ratio"])
+    print(f"workload: {len(trace)} calls, 3 models x {wl.SESSIONS_PER_MODEL} sessions x {wl.DEPTH} calls, "
+          f"round {wl.ROUND_S} s, gaps median {wl.GAP.median * 1e3:.0f} ms; statistic: SCT sum over sessions")
+    print(table(pairs, sims, v))
+    errors = sum(r["errors"] for r in runs)
+    result = {"must_show": v, "pairs": [{"order": p["order"], "ratio": p["ratio"]} for p in pairs],
+              "runs": runs, "simulator": {**sims, "corrections": scales}, "workload": wl.describe(),
+              "calls": len(trace), "outputs_identical": not differing,
+              "differing_calls": sorted(map(list, differing)), "failed_calls": errors,
+              "profile": str(args.profile or "measured by talaria profile"), "profile_toml": profile_text,
+              **environment(log, load_start)}
     write_json(args.json, result, log)
 
     failures = []
-    if on["errors"] or off["errors"]:
-        failures.append(f"{on['errors']} calls failed with SP on and {off['errors']} with SP off "
-                        f"(see {args.json}: runs.*.replay)")
+    if errors:
+        failures.append(f"{errors} calls failed over {len(runs)} runs (see {args.json}: runs[*].errors)")
     if differing:
-        failures.append(f"{len(differing)} calls returned different text with SP on and off, first {differing[0]}: "
+        failures.append(f"{len(differing)} calls returned different text across runs, first {min(differing)}: "
                         "SP must change when a call runs, never what it returns")
-    if not on["sct_sum_s"] < off["sct_sum_s"]:
-        failures.append(f"SCT sum with SP on ({on['sct_sum_s']:.2f} s) is not lower than with SP off "
-                        f"({off['sct_sum_s']:.2f} s); SP admitted {on['sp_admissions']} calls")
+    codes = sorted({r["code"] for r in runs})
+    if len(codes) > 1:
+        failures.append(f"the talaria sources changed between runs ({', '.join(codes)}; runs[*].code): "
+                        "the pairs compare different code; run again on a quiet checkout")
+    if not v["holds"]:
+        failures.append(f"the must-show does not hold: median {v['median']:.3f}, pairs "
+                        f"{', '.join(f'{r:.3f}' for r in v['ratios'])}, simulator {v['sim_ratio']:.3f}")
     for f in failures:
         print(f"bench/sp.py: FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0
