@@ -33,9 +33,9 @@ Must show (issue 20, item 5): the median ratio over pairs > 1, every pair's rati
 median within +-25% of the simulator's live-corrected ratio (the as-measured one is beside it).
 Exit 1 when it does not hold, when any call failed, when any call's text differs between runs
 (SP may change when a call runs, never what it returns), or when the talaria sources changed
-between runs (others edit this checkout; each run records a fingerprint of them). Progress on stderr, the table on stdout,
-everything to the JSON (default bench/results/sp.json), with the load average at the start and end
-of every run and each run's mean cost corrections.
+between runs (others edit this checkout; each run records a fingerprint of them). Progress on
+stderr, the table on stdout, everything to the JSON (default bench/results/sp.json), with the load
+average at the start and end of every run and each run's mean cost corrections.
 """
 
 from __future__ import annotations
