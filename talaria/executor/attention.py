@@ -83,14 +83,15 @@ class AttentionMeta:
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, valid: torch.Tensor | None,
             ctx: int | None = None) -> torch.Tensor:
-    """(pages, page_size, nkv, hd) cache -> (batch, nkv, len, hd) contiguous, invalid positions zeroed."""
-    kv = cache.index_select(0, pages)  # (batch * n, page_size, nkv, hd)
+    """(pages, page_size, nkv, hd) cache -> (batch, nkv, len, hd) view of one gathered copy (SDPA
+    takes the strides), invalid positions zeroed."""
+    kv = cache.index_select(0, pages)  # (batch * n, page_size, nkv, hd), a fresh copy
     kv = kv.view(batch, -1, *kv.shape[2:])  # (batch, n * page_size, nkv, hd)
     if ctx is not None:
         kv = kv[:, :ctx]
     elif valid is not None:
-        kv = kv.masked_fill(~valid[:, :, None, None], 0.0)
-    return kv.transpose(1, 2).contiguous()
+        kv.masked_fill_(~valid[:, :, None, None], 0.0)  # in the copy: the cache is untouched
+    return kv.transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from talaria.contracts.arch import ModelArch
 from talaria.executor.attention import AttentionMeta, paged_attention
 from talaria.executor.kv_cache import KVCache
-from talaria.executor.moe import moe_mlp
+from talaria.executor.moe import grouped_mm_runs, moe_mlp
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.rope import rope_cos_sin
 from talaria.executor.weights import ModelWeights
@@ -47,6 +47,7 @@ class LlamaModel:
         self.cos, self.sin = cos, sin
         v0, v1 = shard.vocab_range
         self.vocab_start, self.vocab_end = v0, v1
+        self.grouped = arch.is_moe and grouped_mm_runs(dtype, weights.embed.device)  # MoE: grouped GEMMs
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -85,7 +86,7 @@ class LlamaModel:
             x = x + self.group.all_reduce(F.linear(o.reshape(T, nh * hd), lw.o_proj))
             h = rms_norm(x, lw.post_norm, arch.rms_norm_eps)
             if lw.router is not None:
-                mlp = moe_mlp(h, lw, arch)  # (T, H), partial over ranks
+                mlp = moe_mlp(h, lw, arch, self.grouped)  # (T, H), partial over ranks
             else:
                 gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # (T, I_local) each
                 mlp = F.linear(F.silu(gate) * up, lw.down)  # (T, H), partial over ranks

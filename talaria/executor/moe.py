@@ -6,7 +6,9 @@ so every rank routes every token alike; each computes its partial sum of the exp
 and the caller's one all-reduce completes the layer, as for a dense MLP.
 
 Experts run batched by expert: the (token, expert) assignments are sorted by expert, and each
-expert that received tokens runs one gate/up and one down matmul over all of them.
+expert that received tokens runs one gate/up and one down matmul over all of them — in one grouped
+GEMM per projection (`torch.nn.functional.grouped_mm`) where torch has one for the dtype, else
+one matmul pair per expert (float64).
 
 Checkpoints come in two layouts, both read here: one tensor per expert and projection
 (`mlp.experts.{e}.gate_proj.weight`, what transformers' save_pretrained writes by default) and
@@ -89,26 +91,46 @@ def route(h: torch.Tensor, router: torch.Tensor, arch: ModelArch) -> tuple[torch
     return experts, weights.to(h.dtype)
 
 
-def moe_mlp(h: torch.Tensor, lw, arch: ModelArch) -> torch.Tensor:
-    """h: (T, H) normed hidden states -> (T, H), this rank's partial sum (all-reduce to finish)."""
+def grouped_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's grouped GEMM runs for `dtype` on `device` (CPU: float32, bfloat16, float16;
+    not float64), found by running it once on a toy problem."""
+    try:
+        a = torch.ones(2, 4, dtype=dtype, device=device)
+        b = torch.ones(2, 4, 4, dtype=dtype, device=device)
+        F.grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor:
+    """h: (T, H) normed hidden states -> (T, H), this rank's partial sum (all-reduce to finish).
+
+    grouped: one grouped GEMM over all experts per projection (where `grouped_mm_runs`), else a
+    matmul pair per expert that has tokens (float64, the equivalence tests' dtype).
+    """
     T, H = h.shape
     k = arch.num_experts_per_tok
     experts, weights = route(h, lw.router, arch)  # (T, k)
     flat = experts.flatten()  # (T k,): assignment j is token j // k's (j % k)-th expert
     order = flat.argsort(stable=True)  # assignments grouped by expert
-    counts = torch.bincount(flat, minlength=arch.num_experts).tolist()  # assignments per expert
+    counts = torch.bincount(flat, minlength=arch.num_experts)  # (E,) assignments per expert
     x = h[order // k]  # (T k, H): each assignment's token, grouped by expert
-    y = torch.empty_like(x)
-    start = 0
-    for e, n in enumerate(counts):  # one matmul pair per expert with tokens, over all of them
-        if n:
-            gate, up = F.linear(x[start:start + n], lw.experts_gate_up[e]).chunk(2, dim=-1)  # (n, I_local) each
-            torch.matmul(F.silu(gate) * up, lw.experts_down[e].t(), out=y[start:start + n])  # (n, H)
-            start += n
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)  # sorted position of each assignment
-    y = y[back].view(T, k, H)  # (T, k, H): back in token order
-    out = torch.bmm(weights.unsqueeze(1), y).squeeze(1)  # (T, H): the router-weighted sum of each token's k
+    if grouped:
+        offs = counts.cumsum(0, dtype=torch.int32)  # (E,) end of each expert's rows
+        gate, up = F.grouped_mm(x, lw.experts_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (T k, I_local)
+        y = F.grouped_mm(F.silu(gate) * up, lw.experts_down.transpose(1, 2), offs=offs)  # (T k, H)
+    else:
+        y = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one matmul pair per expert with tokens, over all of them
+            if n:
+                gate, up = F.linear(x[start:start + n], lw.experts_gate_up[e]).chunk(2, dim=-1)  # (n, I_local)
+                torch.matmul(F.silu(gate) * up, lw.experts_down[e].t(), out=y[start:start + n])  # (n, H)
+                start += n
+    by_token = torch.empty_like(y)
+    by_token[order] = y  # back in assignment order
+    out = torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum
     if lw.shared_gate_up is not None:  # Qwen2-MoE: every token also runs the shared expert, gated
         gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
         shared = F.linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
