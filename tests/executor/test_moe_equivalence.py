@@ -100,12 +100,7 @@ class Reference:
 
     def greedy(self, prompt: list[int]) -> list[int]:
         if tuple(prompt) not in self.memo:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # tiny tensors: a second thread would only wait for a shared core
-            try:
-                self.memo[tuple(prompt)] = self.generate(list(prompt))
-            finally:
-                torch.set_num_threads(threads)
+            self.memo[tuple(prompt)] = self.generate(list(prompt))
         return self.memo[tuple(prompt)]
 
 
@@ -116,6 +111,16 @@ def hf_greedy(model) -> Callable[[list[int]], list[int]]:
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         return out[0, len(prompt):].tolist()
     return generate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny float64 tensors: a second torch thread only waits for a core the machine shares (the
+    engine groups' workers run one thread each too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
