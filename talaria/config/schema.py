@@ -217,7 +217,6 @@ class RouterConfig:
     admit_rounds: float = 2.0  # round admission: a call must start within this many of a cold instance's rounds
     max_queue_s: float = 30.0  # round admission on hot instances: predicted wait before the call starts
     replica_penalty_s: float = 1.0  # nu: a new replica must gain this much more than its switch and memory cost
-    replica_window_s: float = 10.0  # Eq. (2)'s control window: a replica's gain is its saving per call x the calls expected in it
     hbm_price_s_per_gib: float = 0.05  # mu at an empty pool (doubles when the pool is full)
     session_ttl_s: float = 900.0  # sessions remembered this long after their last call
     max_sessions: int = 100_000  # and at most this many

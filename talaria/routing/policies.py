@@ -61,9 +61,8 @@ class FullPolicy:
         held = any(req.model in v.holds for v in fresh)
         best = None
         for view, cost in feasible:
-            if cost.opens and held:  # Eq. (2): a replica must gain more than it costs, over the window
-                saving = math.inf if best_holder is None else best_holder.total_s - (cost.delta_r_s + cost.c_kv_s)
-                gain = saving * router.demand(req.model, now) if saving > 0 else saving
+            if cost.opens and held:  # Eq. (2): a replica must gain more than it costs
+                gain = math.inf if best_holder is None else best_holder.total_s - (cost.delta_r_s + cost.c_kv_s)
                 if not gain > costs.replica_price(view, req.model, cost):
                     continue
             if best is None or (cost.total_s, cost.instance) < (best.total_s, best.instance):

@@ -25,7 +25,7 @@ comes from the injected clock; every decision carries its reason and cost terms 
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,7 +67,6 @@ class Router:
         self.stats = RouterStats()
         self._policy = POLICIES[config.policy]
         self._mean_prompt: dict[str, float] = {}  # EWMA of routed prompt lengths, per model
-        self._arrivals: dict[str, deque[float]] = {}  # per model: arrival times within the replica window
         self.local_only = False  # the call being routed may only go to this node's instances
         self.mean_prompt = 0  # the model's mean prompt, in tokens, for the call being routed
 
@@ -132,16 +131,6 @@ class Router:
         means = self._mean_prompt
         m = means.get(req.model)
         means[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
-        self._arrivals.setdefault(req.model, deque()).append(self.clock())
-
-    def demand(self, model: str, now: float) -> int:
-        """Calls of `model` expected over the next control window (Eq. (2)): the arrivals of the last
-        `replica_window_s` (this one included), as a persistence forecast, plus the returns its live
-        leases reserve."""
-        arrivals = self._arrivals.get(model, deque())
-        while arrivals and arrivals[0] < now - self.config.replica_window_s:
-            arrivals.popleft()
-        return max(1, len(arrivals) + sum(1 for lease in self.leases.all() if lease.model == model))
 
     def decide(self, req: RouteRequest, local: bool = False) -> RouteDecision:
         """`route` without its bookkeeping: for a call held at the gateway asking again, which is
