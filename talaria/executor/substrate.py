@@ -20,6 +20,7 @@ import torch
 from talaria.config.schema import InstanceConfig
 from talaria.contracts.step_plan import MemoryOps
 from talaria.executor.arena import Arena, align_up
+from talaria.executor.checkpoint import print_progress
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.llama import LlamaModel
 from talaria.executor.parallel import Shard, TPGroup
@@ -72,7 +73,8 @@ class ModelImage:
         self.dtype = DTYPES[files.dtype]
         self.shard = Shard(group.rank, group.size, files.arch)
         self.host = Arena(weights_nbytes(self.shard, self.dtype), "cpu", pin=pin)
-        self.weights = load_weights(files.directory, self.shard, self.host, self.dtype)
+        progress = print_progress(f"talaria: loading {files.name}") if group.rank == 0 else None
+        self.weights = load_weights(files.directory, self.shard, self.host, self.dtype, progress)
         self.nbytes = self.host.used_low
         self.page_shape = KVCache.page_shape(self.shard, page_size)
         self.page_bytes = KVCache.page_bytes(self.shard, page_size, self.dtype)
