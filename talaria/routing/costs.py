@@ -176,7 +176,7 @@ class PlacementCosts:
 
     def admits(self, view: InstanceView, req: RouteRequest, cost: Cost) -> bool:
         """Round admission (the call starts within `admit_rounds` rounds, or `max_queue_s` on a hot
-        instance; a new session's first call within the TTFT target) and HBM (its KV fits what the
+        instance; a new session's first call waits at most the TTFT target for the work ahead) and HBM (its KV fits what the
         model's pool has free; a new session's also beside every admitted session's prefix). A call
         with nothing ahead of it is not refused for its own length: it could start no sooner on a retry."""
         if self.excess_s(view, req, cost) > 0:
@@ -197,7 +197,11 @@ class PlacementCosts:
         t = view.terms[req.model]
         if cost.queue_s <= 0:
             return 0.0
-        return max(0.0, cost.start_s - (t.ttft_s if req.new_session else t.admit_s))
+        if req.new_session:  # only the wait others cause counts, up to the TTFT target or the call's
+            # own prefill, whichever is longer: a prompt whose prefill alone outlasts the target (an
+            # agent's 18K-token first call on a slow machine) is admitted while others at most double it
+            return max(0.0, cost.queue_s + cost.c_act_s - max(t.ttft_s, cost.prefill_s + cost.c_kv_s))
+        return max(0.0, cost.start_s - t.admit_s)
 
     def replica_price(self, view: InstanceView, model: str, cost: Cost) -> float:
         """T_swap + mu_j * dW_m + nu_m (Eq. (2)): what opening `model` on this instance must beat."""

@@ -156,7 +156,9 @@ def test_an_agent_request_of_real_shape_and_size_streams_well_formed(long_node):
 
 
 def test_a_session_reuses_its_prefix_though_its_first_system_line_changes(long_node):
-    client = anthropic.Anthropic(base_url=long_node.base_url, api_key=KEY, max_retries=0)
+    # a new session may be shed (429 + Retry-After) while the previous test's lease still reserves
+    # its return: the client honours Retry-After, as agents' SDKs do by default
+    client = anthropic.Anthropic(base_url=long_node.base_url, api_key=KEY, max_retries=2)
     session = f"user_ab12_account__session_{uuid.uuid4()}"
     instructions = "You are a coding agent. " + " ".join(f"Rule {i}: read before you edit." for i in range(60))
     messages: list[dict] = []

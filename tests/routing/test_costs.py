@@ -1,6 +1,7 @@
 """`talaria.routing.costs` for sessions: a new session is charged the load of the sessions admitted
 before it and must start within the TTFT target and leave their prefixes room; what one call of an
-admitted session is priced at; the instance's measured cost scale. Toy profile of the router tests
+admitted session is priced at; the instance's measured cost scale. Only the wait the others cause
+is held against a new session, never its own prefill. Toy profile of the router tests
 (prefill 1 ms per token; decode 10 ms a step, nothing per sequence), one cold instance whose rounds
 last 10 s (round admission: 20 s), a pool of 1,000 pages of 16 tokens."""
 
@@ -33,7 +34,8 @@ def test_a_new_session_is_held_back_by_the_admitted_sessions_within_the_ttft_tar
     r, view = one(0.3, 0.4, 30.0)  # its 0.5 s prefill waits 0.3 + 0.4 + 0.5 (a long decode: a prefill's worth)
     d = r.route(new())
     assert (d.instance, d.cost.queue_s, d.cost.start_s) == ("a", pytest.approx(1.2), pytest.approx(1.7))
-    view.load.work[("s3", "m")] = 2.0  # one more session, in its tool gap: 2.2 s before it could start
+    view.load.work[("s3", "m")] = 2.0  # two more sessions, in their tool gaps: others hold it back 2.2 s
+    view.load.work[("s4", "m")] = 2.0
     d = r.route(new())
     assert (d.instance, d.reason) == (None, Reason.OVERLOAD)
     assert d.cost.instance == "a" and d.wait_s == pytest.approx(0.2)
@@ -48,8 +50,8 @@ def test_a_new_session_is_charged_the_larger_of_the_snapshot_queue_and_the_sessi
 
 def test_without_a_ttft_target_a_new_session_gets_the_round_admission_bound():
     r, _ = one(*[1.0] * 30, ttft_s=None)  # a peer's instance: its target is not known here
-    assert r.route(new()).instance == "a"  # 15.5 s, within two rounds of 10 s
-    r, _ = one(*[1.0] * 40, ttft_s=None)
+    assert r.route(new()).instance == "a"  # 15 s of others' work, within two rounds of 10 s
+    r, _ = one(*[1.0] * 41, ttft_s=None)  # 20.5 s of others' work
     assert r.route(new()).wait_s == pytest.approx(0.5)
 
 

@@ -183,8 +183,8 @@ def test_sessions_overload_holds_admitted_sessions_and_sheds_new_ones_fairly():
 
 def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_calls_go_oldest_first():
     """Four admitted sessions, all in tool gaps, whose next calls are predicted at 1.5 s each: the
-    instance is idle, but a new session's 1 s prefill would share it with those four calls and see
-    its first token 5 s out, past the 2 s TTFT target. It is shed with Retry-After 3 (s), while an
+    instance is idle, but a new session's 1 s prefill would share it with those four calls, which
+    hold it back 4 s, past the 2 s TTFT target. It is shed with Retry-After 2 (s), while an
     admitted session's call goes straight in. Then with the instance full, two admitted sessions'
     calls are held; when there is room for one, the older is placed."""
     clock = Clock()
@@ -218,7 +218,7 @@ def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_call
     assert d.router.views["hot0"].load.total_s == pytest.approx(4 * 1.501)  # 1,501 tokens past each prefix
     with pytest.raises(Overloaded, match="at capacity for new sessions") as shed:
         place(d, call("newcomer", 1000))
-    assert shed.value.retry_after_s == 3  # 1 s of its prefill + 4 x 1 s of theirs, 2 s allowed
+    assert shed.value.retry_after_s == 2  # 4 x 1 s of theirs (its own prefill is not held against it), 2 s allowed
     assert place(d, call("s0", 3108)).group is group  # an admitted session is not held for the load
     clock.now += 10.0  # they all went quiet: nothing ahead, and the newcomer gets in
     fresh()
