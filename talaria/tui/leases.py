@@ -29,8 +29,9 @@ class Lease:
     kv_tokens: int | None  # the KV the call left; unknown for a lease learnt from telemetry
 
     def remaining(self, now: float) -> float:
-        """Seconds until expiry, not below 0 (the router expires lazily, on its next sweep)."""
-        return max(0.0, self.t_exp - now)
+        """Seconds until expiry, not below 0 (the router expires lazily, on its next sweep) nor above
+        the lease's length (the dashboard's clock estimate may trail the router's install by a moment)."""
+        return min(self.t_exp - self.installed, max(0.0, self.t_exp - now))
 
     def fraction(self, now: float) -> float:
         """Share of the lease still ahead, 1 at install and 0 at expiry."""
