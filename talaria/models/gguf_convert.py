@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from talaria.contracts.arch import FAMILIES, ModelArch
+from talaria.contracts.arch import FAMILIES, MOE_FAMILIES, ModelArch
 from talaria.models.errors import ModelSourceError
 from talaria.models.gguf_file import GgufFile
 from talaria.models.gguf_tokenizer import VOCAB_ARRAYS, gguf_tokenizer
@@ -35,13 +35,16 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ frequency factors, folded into rope_scaling instead
 
 
+GGUF_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)  # dense only: no GGUF MoE tensor layout here
+
+
 def gguf_arch(gguf: GgufFile) -> ModelArch:
     """The model's architecture from metadata and the tensor table alone (no tensor is dequantized
     except the tiny ``rope_freqs`` vector of Llama 3.1+)."""
     family = gguf.architecture
-    if family not in FAMILIES:
-        raise ModelSourceError(f"{gguf.path}: architecture {family!r} is not supported; "
-                               f"Talaria serves {', '.join(FAMILIES)} models")
+    if family not in GGUF_FAMILIES:
+        raise ModelSourceError(f"{gguf.path}: architecture {family!r} is not supported from GGUF; Talaria reads "
+                               f"{', '.join(GGUF_FAMILIES)} GGUF files (MoE models: from a safetensors directory)")
     meta, p = gguf.metadata, family
     try:
         vocab_size, hidden = gguf.tensors["token_embd.weight"].shape
