@@ -65,6 +65,9 @@ def _gathers(pairs: tuple[tuple[int, int], ...]) -> list[tuple[int, list[int]]]:
     return runs
 
 
+LOAD_PROGRESS_MIN_BYTES = 64 << 20  # smaller shards load in a blink: no progress lines for them
+
+
 class ModelImage:
     """A model's weight shard on the host, byte-identical to its device weights region."""
 
@@ -73,7 +76,8 @@ class ModelImage:
         self.dtype = DTYPES[files.dtype]
         self.shard = Shard(group.rank, group.size, files.arch)
         self.host = Arena(weights_nbytes(self.shard, self.dtype), "cpu", pin=pin)
-        progress = print_progress(f"talaria: loading {files.name}") if group.rank == 0 else None
+        big = weights_nbytes(self.shard, self.dtype) >= LOAD_PROGRESS_MIN_BYTES
+        progress = print_progress(f"talaria: loading {files.name}") if group.rank == 0 and big else None
         self.weights = load_weights(files.directory, self.shard, self.host, self.dtype, progress)
         self.nbytes = self.host.used_low
         self.page_shape = KVCache.page_shape(self.shard, page_size)
