@@ -125,6 +125,15 @@ def start_server(config: Path, log_path: Path, *extra: str) -> Server:
     return Server(proc, f"http://127.0.0.1:{port}", log_path)
 
 
+def tiny_llama_toml(name: str, seed: int, *, vocab_size: int = 512, max_position: int = 1024,
+                    tie_word_embeddings: bool | None = None) -> str:
+    """The [[models]] entry of a tiny float32 synthetic llama (2 layers, hidden 64), for a served config."""
+    tie = "" if tie_word_embeddings is None else f"tie_word_embeddings = {str(tie_word_embeddings).lower()}\n"
+    return (f'[[models]]\nname = "{name}"\nsource = "synthetic:"\ndtype = "float32"\nseed = {seed}\n\n'
+            f'[models.shape]\nfamily = "llama"\nhidden_size = 64\nintermediate_size = 128\nnum_layers = 2\n'
+            f'num_heads = 4\nnum_kv_heads = 2\nvocab_size = {vocab_size}\nmax_position = {max_position}\n{tie}')
+
+
 @contextmanager
 def served(folder: Path, config: str) -> Iterator[Server]:
     """A `talaria up` of its own on `config` (TOML text), healthy, stopped on leaving."""

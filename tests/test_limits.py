@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import Server, served, wait_for
+from tests.conftest import Server, served, tiny_llama_toml, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,7 @@ DROPPED_WITHIN_S = 30.0  # the buffers fill (~80 KB of events), then SEND_TIMEOU
 # client's buffers fill within a hundred or so tokens, even on a busy CPU
 MODEL = "tiny-" + "m" * 2000
 
+# vocab 259: bytes + bos/eos/pad only, no reserved ids that decode to nothing
 CONFIG = f"""
 [server]
 host = "127.0.0.1"
@@ -39,23 +40,7 @@ max_connections = {MAX_CONNECTIONS}
 read_timeout_s = {READ_TIMEOUT_S}
 send_timeout_s = {SEND_TIMEOUT_S}
 
-[[models]]
-name = "{MODEL}"
-source = "synthetic:"
-dtype = "float32"
-seed = 3
-
-[models.shape]
-family = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 259  # bytes + bos/eos/pad only: no reserved ids that decode to nothing
-max_position = 32768
-tie_word_embeddings = false
-
+{tiny_llama_toml(MODEL, 3, vocab_size=259, max_position=32768, tie_word_embeddings=False)}
 [[instances]]
 name = "hot-0"
 pool = "hot"

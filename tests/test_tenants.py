@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import Server, served, wait_for
+from tests.conftest import Server, served, tiny_llama_toml, wait_for
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """
+CONFIG = f"""
 [server]
 admin_key = "adm"
 
@@ -22,22 +22,7 @@ tenant = "team-a"
 key = "key-b"
 tenant = "team-b"
 
-[[models]]
-name = "tiny-llama"
-source = "synthetic:"
-dtype = "float32"
-seed = 1
-
-[models.shape]
-family = "llama"
-hidden_size = 64
-intermediate_size = 128
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 512
-max_position = 1024
-
+{tiny_llama_toml("tiny-llama", 1)}
 [[instances]]
 name = "hot-0"
 pool = "hot"
