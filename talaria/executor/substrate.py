@@ -75,8 +75,9 @@ class ModelImage:
         self.files = files
         self.dtype = DTYPES[files.dtype]
         self.shard = Shard(group.rank, group.size, files.arch)
-        self.host = Arena(weights_nbytes(self.shard, self.dtype), "cpu", pin=pin)
-        big = weights_nbytes(self.shard, self.dtype) >= LOAD_PROGRESS_MIN_BYTES
+        nbytes = weights_nbytes(self.shard, self.dtype)
+        self.host = Arena(nbytes, "cpu", pin=pin)
+        big = nbytes >= LOAD_PROGRESS_MIN_BYTES
         progress = print_progress(f"talaria: loading {files.name}") if group.rank == 0 and big else None
         self.weights = load_weights(files.directory, self.shard, self.host, self.dtype, progress)
         self.nbytes = self.host.used_low
@@ -142,16 +143,17 @@ class Substrate:
             self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies, written)
 
     def _restore(self, restores: tuple[tuple[int, int], ...]) -> None:
-        """slab -> page, one copy per block consecutive on both sides (slabs are taken lowest-first
-        and fresh pages are mostly consecutive, so a prefix is mostly one block). CUDA: pinned host
-        -> device on the copy stream, ordered by events, with no host wait."""
+        """slab -> page. CPU: one gather per run of consecutive pages, straight into them (a single
+        pass over the bytes, the slabs anywhere). CUDA: pinned host -> device on the copy stream, one
+        copy per block consecutive on both sides (slabs are taken lowest-first and fresh pages are
+        mostly consecutive, so a prefix is mostly one block), ordered by events, with no host wait."""
         pb = self.kv_bytes.shape[1]
-        strided = pb < self.slabs.shape[1]  # a smaller model's pages in slabs sized for the largest
-        runs = copy_runs(restores, single=strided and self.kv_bytes.is_cuda)
         if self._copy_stream is None:
-            for slab, page, n in runs:
-                self.kv_bytes[page:page + n].copy_(self.slabs[slab:slab + n, :pb])
+            for page, slabs in _gathers(restores):
+                torch.index_select(self.slabs[:, :pb], 0, torch.tensor(slabs), out=self.kv_bytes[page:page + len(slabs)])
             return
+        # a smaller model's pages in slabs sized for the largest are strided: one row per copy
+        runs = copy_runs(restores, single=pb < self.slabs.shape[1])
         # invariant: the copies write the pages after every step queued so far (one may still read
         # a page freed since) and the next forward reads them only after the copies
         self._copy_stream.wait_event(self._compute_done())
