@@ -28,6 +28,13 @@ class RouterPolicy(str, Enum):
     FULL = "full"  # paper Algorithm 1: leases + cost-ranked placement + replica rule
 
 
+class LeasePolicy(str, Enum):
+    """How long a soft reservation lives after a call completes (talaria/routing/leases.py)."""
+
+    FIXED = "fixed"  # lease_s for every lease (paper: tau = 1 s, App. E)
+    ADAPTIVE = "adaptive"  # per session, from its own tool gaps; lease_s until its first gap (issue 20)
+
+
 class Ablation(str, Enum):
     """Mechanism names as the paper uses them, shared by config, simulator and reports."""
 
@@ -209,6 +216,7 @@ class PeerConfig:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     lease_s: float = 1.0  # soft-reservation lifetime after a call completes (paper: tau); 0 = no leases
+    lease_policy: LeasePolicy = LeasePolicy.FIXED  # fixed: every lease lease_s; adaptive: per session from its gaps
     policy: RouterPolicy = RouterPolicy.FULL
     overload: Overload = Overload.SESSIONS
     stale_s: float = 2.0  # a snapshot older than this: the instance gets no new placements (leases still count)

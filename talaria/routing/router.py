@@ -35,7 +35,7 @@ from talaria.contracts.telemetry import InstanceStats
 from talaria.routing.costs import LOCATIONS, MISSING, Cost, PlacementCosts
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.instance_view import InstanceView
-from talaria.routing.leases import Lease, LeaseTable
+from talaria.routing.leases import TAU_POLICIES, Lease, LeaseTable
 from talaria.routing.policies import POLICIES
 from talaria.routing.sessions import SessionTable
 
@@ -62,7 +62,8 @@ class Router:
         self.emit = emit  # emit(EventKind, **data) into the event log; None: nobody listens
         self.views: dict[str, InstanceView] = {}
         self.sessions = SessionTable(config.session_ttl_s, clock, config.max_sessions)
-        self.leases = LeaseTable(config.lease_s, self._expired)
+        self.leases = LeaseTable(config.lease_s, self._expired,
+                                 TAU_POLICIES[config.lease_policy.value](config.lease_s, config.max_sessions))
         self.costs = PlacementCosts(config, self.leases)
         self.stats = RouterStats()
         self._policy = POLICIES[config.policy]
@@ -140,6 +141,8 @@ class Router:
         self.local_only = local
         leases = self.leases
         leases.sweep(now)
+        if req.session is not None:
+            leases.arrived(req.session, req.model, now)  # its tool gap, for an adaptive tau (once per completion)
         self.mean_prompt = int(self._mean_prompt.get(req.model, req.prompt_tokens))
         lease = last = None
         if req.session is not None:
@@ -176,7 +179,7 @@ class Router:
         now, st = self.clock(), self.stats
         self.leases.sweep(now)
         return {
-            "policy": self.config.policy.value,
+            "policy": self.config.policy.value, "lease_policy": self.config.lease_policy.value,
             "decisions": st.by_reason(),
             "lease_hits": st.lease_hits, "lease_misses": st.lease_misses, "lease_expiries": st.lease_expiries,
             "returns": st.returns, "same_instance_returns": st.same_instance_returns,

@@ -61,11 +61,16 @@ class GapEstimate:
             self.srtt = 0.875 * self.srtt + 0.125 * gap_s
 
     @property
+    def bound_s(self) -> float | None:
+        """`srtt + 4 * rttvar` (RFC 6298's RTO before its clamps): a gap longer than this is unusual;
+        None before the first gap."""
+        return None if self.srtt is None else self.srtt + 4 * self.rttvar
+
+    @property
     def quiet_s(self) -> float:
         """How long after a completion a session without a call counts as quiet."""
-        if self.srtt is None:
-            return QUIET_FIRST_S
-        return max(QUIET_MIN_S, self.srtt + 4 * self.rttvar)
+        bound = self.bound_s
+        return QUIET_FIRST_S if bound is None else max(QUIET_MIN_S, bound)
 
 
 class InstanceLoad:
