@@ -19,8 +19,11 @@ from talaria.contracts.trace import (
     write_trace,
 )
 from talaria.trace.generate import (
+    FIRST_PROMPT,
     LOADS,
     PRESETS,
+    TOOL_RESULT,
+    LogNormal,
     TraceSpec,
     TraceSpecError,
     generate,
@@ -56,6 +59,17 @@ def trace() -> None:
 @click.option("--arrival-s", type=float,
               help="Generic mode: mean spacing of session starts in seconds, exponential "
                    "(default 0: every session starts at once).")
+@click.option("--depth", "depth", metavar="P50,P95",
+              help="Generic mode: calls per session, a lognormal by its median and p95 (paper: 11,49).")
+@click.option("--gap-s", "gap_s", metavar="P50,P95",
+              help="Generic mode: tool gaps in seconds, a lognormal by its median and p95 (paper: 0.39,1.32).")
+@click.option("--gap-spread", type=click.FloatRange(0.0),
+              help="Generic mode: sessions differ in tool speed: each session's gap median is the --gap-s "
+                   "median times a lognormal factor of this log-sigma (default 0: every session alike).")
+@click.option("--first-prompt-tokens", type=click.IntRange(1),
+              help="Generic mode: median tokens of a session's first prompt (default 4600).")
+@click.option("--tool-result-tokens", type=click.IntRange(1),
+              help="Generic mode: median tokens a tool result adds to the context (default 1450).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the random generator; the same seed gives the same trace.")
 @click.option("--max-prompt-tokens", type=int,
@@ -63,7 +77,9 @@ def trace() -> None:
                    "longest prompt fits N tokens (for a small model's context); says so on stderr.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help=OUT_HELP)
 def gen(preset_name: str | None, load: str | None, n_sessions: int | None, models: str | None,
-        arrival_s: float | None, seed: int, max_prompt_tokens: int | None, out: Path | None) -> None:
+        arrival_s: float | None, depth: str | None, gap_s: str | None, gap_spread: float | None,
+        first_prompt_tokens: int | None, tool_result_tokens: int | None, seed: int,
+        max_prompt_tokens: int | None, out: Path | None) -> None:
     """Generate agent sessions calibrated to the paper's SWE-Bench workload (§2.1, §5.1).
 
     Depths, tool gaps and prompt lengths follow lognormals fitted to the paper's medians and p95s;
@@ -72,6 +88,15 @@ def gen(preset_name: str | None, load: str | None, n_sessions: int | None, model
     """
     try:
         spec = _spec(preset_name, load, n_sessions, models, arrival_s)
+        shape = {"depth": _lognormal("--depth", depth), "gap_s": _lognormal("--gap-s", gap_s),
+                 "gap_spread": gap_spread,
+                 "first_prompt": None if first_prompt_tokens is None else replace(FIRST_PROMPT, median=first_prompt_tokens),
+                 "tool_result": None if tool_result_tokens is None else replace(TOOL_RESULT, median=tool_result_tokens)}
+        shape = {k: v for k, v in shape.items() if v is not None}
+        if shape and preset_name is not None:
+            raise TraceSpecError("--depth, --gap-s, --gap-spread, --first-prompt-tokens and --tool-result-tokens "
+                                 "apply to generic mode only (--sessions N); drop --preset")
+        spec = replace(spec, **shape)
         if max_prompt_tokens is not None:
             spec = replace(spec, max_prompt_tokens=max_prompt_tokens)
         result = generate(spec, random.Random(seed))
@@ -82,6 +107,19 @@ def gen(preset_name: str | None, load: str | None, n_sessions: int | None, model
                    f"longest prompt ({result.longest_prompt:,} tokens) fits --max-prompt-tokens "
                    f"{max_prompt_tokens:,}", err=True)
     _emit(result.calls, out)
+
+
+def _lognormal(option: str, value: str | None) -> LogNormal | None:
+    """`P50,P95` as a lognormal."""
+    if value is None:
+        return None
+    try:
+        p50, p95 = (float(x) for x in value.split(","))
+    except ValueError:
+        raise TraceSpecError(f"{option} {value!r}: write the median and the p95, e.g. {option} 11,49") from None
+    if not 0 < p50 < p95:
+        raise TraceSpecError(f"{option} {value}: need 0 < median < p95")
+    return LogNormal.fit(p50, p95)
 
 
 def _spec(preset_name: str | None, load: str | None, n_sessions: int | None, models: str | None,

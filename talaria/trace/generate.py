@@ -91,6 +91,12 @@ class TraceSpec:
     first_calls: int | None = None  # keep only each session's first calls (the paper-tp4 subset)
     arrival_s: float = 0.0  # mean spacing of session starts, exponential; 0: every session starts at 0
     max_prompt_tokens: int | None = None  # scale all token counts down so every prompt fits
+    # the shape's distributions, the paper's unless a caller asks for another workload (CLI generic mode)
+    depth: LogNormal = DEPTH  # calls per session (before total_calls scaling)
+    gap_s: LogNormal = GAP_S  # tool gaps
+    gap_spread: float = 0.0  # log-sigma of a per-session factor on the gap median (0: every session alike)
+    first_prompt: LogNormal = FIRST_PROMPT  # tokens of a session's first prompt
+    tool_result: LogNormal = TOOL_RESULT  # tokens a tool result appends to the context
 
 
 PRESETS = ("paper-tp8", "paper-tp4")
@@ -139,8 +145,8 @@ class GeneratedTrace:
 def generate(spec: TraceSpec, rng: random.Random) -> GeneratedTrace:
     """Draw the sessions `spec` describes; sessions come out in start order, calls in call order."""
     _check(spec)
-    depths = [_clip(round(d), spec.min_depth) for d in DEPTH.stratified(spec.tasks, rng)]
-    firsts = [max(1, round(p)) for p in FIRST_PROMPT.stratified(spec.tasks, rng)]
+    depths = [_clip(round(d), spec.min_depth) for d in spec.depth.stratified(spec.tasks, rng)]
+    firsts = [max(1, round(p)) for p in spec.first_prompt.stratified(spec.tasks, rng)]
     stretch = 1.0
     if spec.total_calls is not None:
         per_task_total = spec.total_calls // len(spec.models) if spec.replicate else spec.total_calls
@@ -148,7 +154,12 @@ def generate(spec: TraceSpec, rng: random.Random) -> GeneratedTrace:
         depths = scale_to_total(depths, per_task_total, spec.min_depth, MAX_DEPTH)
     # Stretching a session in calls must not stretch it in tokens: a longer session of the same task
     # takes smaller steps, so the per-call prompt distribution stays the paper's.
-    plans = [_plan(d, f, rng, TOOL_RESULT.median / stretch) for d, f in zip(depths, firsts)]
+    tool = LogNormal(spec.tool_result.median / stretch, spec.tool_result.sigma)
+    gaps = [spec.gap_s] * spec.tasks
+    if spec.gap_spread:  # drawn only when asked, so the paper's shapes keep their random stream
+        gaps = [replace(spec.gap_s, median=m) for m in LogNormal(spec.gap_s.median, spec.gap_spread)
+                .stratified(spec.tasks, rng)]
+    plans = [_plan(d, f, rng, tool, g) for d, f, g in zip(depths, firsts, gaps)]
     if spec.replicate:
         jobs = [(f"issue{t:02d}-{m}", m, p) for t, p in enumerate(plans) for m in spec.models]
     else:
@@ -205,15 +216,14 @@ def scale_to_total(depths: list[int], total: int, lo: int, hi: int) -> list[int]
     return out
 
 
-def _plan(depth: int, first: int, rng: random.Random, tool_median: float) -> SessionPlan:
+def _plan(depth: int, first: int, rng: random.Random, tool: LogNormal, gap_s: LogNormal) -> SessionPlan:
     """One session's draws. Rewrites are decided on unscaled tokens, so scaling keeps the shape."""
-    tool = LogNormal(tool_median, TOOL_RESULT.sigma)
     prompt, steps = first, []
     for k in range(depth):
         completion = min(MAX_COMPLETION, max(1, round(COMPLETION.draw(rng))))
         gap, result, keep = 0.0, 0, None
         if k:
-            gap = GAP_S.draw(rng)
+            gap = gap_s.draw(rng)
             result = min(MAX_TOOL_RESULT, round(tool.draw(rng)))
             extended = prompt + steps[-1].completion + result
             if rng.random() < TRUNCATE_P or extended > CONTEXT_LIMIT:

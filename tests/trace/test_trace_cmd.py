@@ -58,6 +58,26 @@ def test_convert_mooncake(tmp_path):
            [("mc00000", 0, 0, 0.0, "m7"), ("mc00000", 1, 1024, 4.0, "m7")]
 
 
+def test_gen_generic_shape_options_set_depth_gaps_spread_and_prompts():
+    base = ("trace", "gen", "--sessions", "40", "--models", "a")
+    paper = read_trace(io.StringIO(run(*base).stdout))
+    shaped = read_trace(io.StringIO(run(*base, "--depth", "4,12", "--gap-s", "2,6.6", "--first-prompt-tokens", "900",
+                                        "--tool-result-tokens", "100").stdout))
+
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    assert len(shaped) < len(paper)  # depth 4 against the paper's 11
+    assert 1.5 < median([c.gap_s for c in shaped if c.index]) < 2.6
+    assert median([c.prompt_tokens for c in shaped]) < median([c.prompt_tokens for c in paper]) / 4
+
+    def per_session(calls):
+        return sorted(median([c.gap_s for c in s[1:]]) for s in sessions(calls).values() if len(s) > 4)
+
+    alike, spread = per_session(paper), per_session(read_trace(io.StringIO(run(*base, "--gap-spread", "1").stdout)))
+    assert spread[-1] / spread[0] > 4 * (alike[-1] / alike[0])  # sessions differ in tool speed
+
+
 def test_errors_are_one_line_and_non_zero(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"session": "s", "index": 1}\n')
@@ -66,6 +86,8 @@ def test_errors_are_one_line_and_non_zero(tmp_path):
         (("trace", "gen"), "give --preset"),
         (("trace", "gen", "--preset", "paper-tp8", "--sessions", "3"), "cannot be combined"),
         (("trace", "gen", "--preset", "paper-tp8", "--load", "high"), "paper-tp4 only"),
+        (("trace", "gen", "--preset", "paper-tp8", "--gap-s", "1,3"), "generic mode only"),
+        (("trace", "gen", "--sessions", "2", "--depth", "11"), "--depth 11"),
         (("trace", "stats", str(bad)), "missing"),
         (("trace", "stats", str(tmp_path / "absent.jsonl")), "does not exist"),
         (("trace", "convert", "--from", "mooncake", str(bad)), "missing 'timestamp'"),
