@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from talaria.contracts.arch import ModelArch
 from talaria.executor.attention import AttentionMeta, paged_attention
 from talaria.executor.kv_cache import KVCache
-from talaria.executor.moe import grouped_mm_runs, moe_mlp
+from talaria.executor.moe import moe_mlp, use_grouped_mm
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.rope import rope_cos_sin
 from talaria.executor.weights import ModelWeights
@@ -47,7 +47,7 @@ class LlamaModel:
         self.cos, self.sin = cos, sin
         v0, v1 = shard.vocab_range
         self.vocab_start, self.vocab_end = v0, v1
-        self.grouped = arch.is_moe and grouped_mm_runs(dtype, weights.embed.device)  # MoE: grouped GEMMs
+        self.grouped = arch.is_moe and use_grouped_mm(dtype, weights.embed.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

@@ -6,9 +6,9 @@ so every rank routes every token alike; each computes its partial sum of the exp
 and the caller's one all-reduce completes the layer, as for a dense MLP.
 
 Experts run batched by expert: the (token, expert) assignments are sorted by expert, and each
-expert that received tokens runs one gate/up and one down matmul over all of them — in one grouped
-GEMM per projection (`torch.nn.functional.grouped_mm`) where torch has one for the dtype, else
-one matmul pair per expert (float64).
+expert that received tokens runs one gate/up and one down matmul over all of them: one grouped
+GEMM per projection (`torch.nn.functional.grouped_mm`) on CUDA, one matmul pair per expert with
+tokens elsewhere (see `use_grouped_mm`).
 
 Checkpoints come in two layouts, both read here: one tensor per expert and projection
 (`mlp.experts.{e}.gate_proj.weight`, what transformers' save_pretrained writes by default) and
@@ -103,11 +103,19 @@ def grouped_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
+def use_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Grouped GEMMs on CUDA, where they are one kernel that skips empty groups. Not on CPU: there
+    torch runs one matmul per group with the tokens on the left, which bench/engine.py measured
+    slower than the per-expert loop with the weight on the left (a decode step gives each expert a
+    few tokens, and BLAS splits a matrix-vector product over the weight's rows)."""
+    return device.type == "cuda" and grouped_mm_runs(dtype, device)
+
+
 def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor:
     """h: (T, H) normed hidden states -> (T, H), this rank's partial sum (all-reduce to finish).
 
-    grouped: one grouped GEMM over all experts per projection (where `grouped_mm_runs`), else a
-    matmul pair per expert that has tokens (float64, the equivalence tests' dtype).
+    grouped: one grouped GEMM over all experts per projection (`use_grouped_mm`), else a matmul
+    pair per expert that has tokens.
     """
     T, H = h.shape
     k = arch.num_experts_per_tok
@@ -125,8 +133,11 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
         start = 0
         for e, n in enumerate(counts.tolist()):  # one matmul pair per expert with tokens, over all of them
             if n:
-                gate, up = F.linear(x[start:start + n], lw.experts_gate_up[e]).chunk(2, dim=-1)  # (n, I_local)
-                torch.matmul(F.silu(gate) * up, lw.experts_down[e].t(), out=y[start:start + n])  # (n, H)
+                # the weight on the left and a transposed (n, K) matrix on the right: the layout in
+                # which BLAS runs these few-column products fastest (bench/engine.py's MoE row)
+                gate, up = (lw.experts_gate_up[e] @ x[start:start + n].t()).chunk(2)  # (I_local, n) each
+                act = (F.silu(gate) * up).t().contiguous()  # (n, I_local)
+                y[start:start + n] = (lw.experts_down[e] @ act.t()).t()  # (n, H)
                 start += n
     by_token = torch.empty_like(y)
     by_token[order] = y  # back in assignment order
