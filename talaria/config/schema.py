@@ -58,6 +58,13 @@ class SlotLength(str, Enum):
     EQUAL = "equal"  # the same share for every model with work
 
 
+class SpBatch(str, Enum):
+    """Which waiting continuations a session-prefill (SP) step admits (talaria/instance/sp_batch.py)."""
+
+    PAPER = "paper"  # every eligible one that fits the budget, in arrival order (paper §3.4)
+    PAYS = "pays"  # shortest predicted work first, only if it brings more completion forward than it pushes back
+
+
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the weight/KV dtypes we serve
 DTYPES = tuple(DTYPE_BYTES)
 
@@ -172,6 +179,7 @@ class InstanceConfig:
     gamma: float = 0.8  # admission margin, < 1
     slot_order: SlotOrder = SlotOrder.ROUND_ROBIN
     slot_length: SlotLength = SlotLength.DEMAND
+    sp_batch: SpBatch = SpBatch.PAPER  # SP admission: the paper's, or only batches that pay (issue 20)
     ablations: tuple[Ablation, ...] = ()  # mechanisms turned off: sp, hkvr, staging; round_only = all three
     profile: str | None = None  # cost profile TOML (relative: to the config); None = measured at start-up
     debug_poison: bool = False  # NaN into every released region, freed page and dirtied chunk

@@ -31,6 +31,10 @@ class CostModel:
     def prefill_s(self, model: str, tokens: int, cached: int = 0, batched: bool = False) -> float:
         return self.profile.prefill_s(model, tokens, cached, batched) * self.scale(model, "prefill")
 
+    def prefill_fixed_s(self, model: str) -> float:
+        """The fixed cost of one prefill step (what a chunk joining a step does not pay again)."""
+        return self.profile.model(model).prefill.base_s * self.scale(model, "prefill")
+
     def decode_s(self, model: str, batch: int, context: int = 0) -> float:
         return self.profile.decode_s(model, batch, context) * self.scale(model, "decode")
 

@@ -38,6 +38,7 @@ from talaria.contracts.step_plan import SeqChunk
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.batcher import Batcher
 from talaria.instance.cost_model import CostModel
+from talaria.instance.prompt_costs import PromptCosts
 from talaria.instance.rounds import (
     DECODE_PHASES,
     Phase,
@@ -49,6 +50,7 @@ from talaria.instance.rounds import (
 )
 from talaria.instance.sequence import SeqStatus, Sequence
 from talaria.instance.slot_policy import SLOT_LENGTHS, SLOT_ORDERS, ThrashGuard
+from talaria.instance.sp_batch import SP_BATCHES, SpOpportunity
 
 ROUNDS_KEPT = 8  # round summaries kept for telemetry
 
@@ -67,6 +69,7 @@ class RoundScheduler:
         self.page_size = page_size
         # the smallest prefill chunk worth a step: a forward's fixed cost makes tiny chunks waste the slot
         self.min_chunk = config.min_chunk_tokens or max(page_size, config.max_batch_tokens // 4)
+        self.prompts = PromptCosts(costs, page_size, self.min_chunk)
         self._order = list(batchers)
         self._numbers = count(1)
         self.round: Round | None = None
@@ -263,6 +266,9 @@ class RoundScheduler:
             queued = [q for q in b.waiting if q.seq_id in s.p_set]
         else:
             queued = [q for q in b.waiting if self._eligible(s, b, q)]
+            if queued:  # the configured SP batch rule (sp_batch.py) picks which, and in what order
+                queued = SP_BATCHES[self.config.sp_batch](queued, lambda q: self.prompts.work(s.model, b, q),
+                                                          lambda: self._opportunity(s, b, now, bool(started)))
         if not started and not queued:
             return None  # the common case at a decode boundary: nothing to prefill, no budget to work out
         left, tokens = self._left(s, b, now), self.config.max_batch_tokens
@@ -275,9 +281,9 @@ class RoundScheduler:
             admitted = seq.status is SeqStatus.RUNNING
             # a started prompt that lost KV before finishes here, budget or not (see _in_slot)
             budget = math.inf if admitted and self._must_finish(seq) else left - cost
-            n, c = self._fit(s.model, b, seq, budget, tokens, batched=bool(chunks))
+            n, c = self.prompts.fit(s.model, b, seq, budget, tokens, batched=bool(chunks))
             if n == 0 and phase is Phase.P and s.seg_steps == 0 and s.phase is Phase.P and not chunks:
-                n, c = self._fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
+                n, c = self.prompts.fit(s.model, b, seq, math.inf, min(tokens, self.min_chunk))  # progress, over budget
                 self.deadline_risk["prefill_over_budget"] += 1
             if n == 0:
                 if phase is Phase.SP and not admitted:
@@ -304,30 +310,16 @@ class RoundScheduler:
             self._admitted(s, seq)
         return step
 
-    def _fit(self, model: str, b: Batcher, seq: Sequence, budget: float, tokens: int,
-             batched: bool = False) -> tuple[int, float]:
-        """The most prompt tokens of `seq` (at most `tokens`) whose prefill, plus its restore when it
-        is not admitted yet, fits `budget`; 0 when not even the smallest chunk does. `batched`: the
-        step has a chunk already, which pays the forward's fixed cost (as `Profile.step_s` prices it)."""
-        if seq.status is SeqStatus.RUNNING:
-            cached, restore, todo = seq.num_computed, 0.0, seq.num_uncomputed
-        else:
-            on_device, on_host = b.reusable(seq)
-            cached = (on_device + on_host) * self.page_size
-            restore = self.costs.restore_s(model, on_host * self.page_size)
-            todo = len(seq.token_ids) - cached
-        hi = min(todo, tokens)
-        lo = min(hi, self.min_chunk)
-
-        def cost(n: int) -> float:
-            return restore + self.costs.prefill_s(model, n, cached, batched)
-
-        if lo <= 0 or cost(lo) > budget:
-            return 0, 0.0
-        while lo < hi:  # the largest n in [lo, hi] with cost(n) <= budget (cost grows with n)
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
-        return lo, cost(lo)
+    def _opportunity(self, s: Slot, b: Batcher, now: float, paid: bool) -> SpOpportunity:
+        """An SP step now, as sp_batch.py weighs it; `paid`: chunks already in it pay the fixed cost."""
+        later = self.round.queue  # the model's next P: after this slot and the round's other slots
+        after = sum(self.round.budgets[m] for m in later)
+        if later:
+            after += sum(self._switches([*later, s.model], s.model).values())
+        decoders = b.decoding
+        t_d = self.costs.decode_s(s.model, len(decoders) + 1, sum(len(q.token_ids) for q in decoders))
+        return SpOpportunity(0.0 if paid else self.costs.prefill_fixed_s(s.model), max(0.0, s.budget_s - (now - s.start)),
+                             after, t_d, tuple(q.num_generated for q in decoders), b.outputs)
 
     @staticmethod
     def _must_finish(seq: Sequence) -> bool:

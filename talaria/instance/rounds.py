@@ -9,7 +9,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
-from talaria.config.schema import Ablation, InstanceConfig, SlotLength, SlotOrder
+from talaria.config.schema import (
+    Ablation,
+    InstanceConfig,
+    SlotLength,
+    SlotOrder,
+    SpBatch,
+)
 from talaria.contracts.step_plan import SeqChunk
 from talaria.contracts.vocabulary import SwitchPath
 
@@ -40,6 +46,7 @@ class RoundConfig:
     # rounds in a row (its next slot then gets at least that much budget, bound or not)
     thrash_k: float = 1.0
     max_deferrals: int = 2
+    sp_batch: SpBatch = SpBatch.PAPER  # which continuations an SP step admits (sp_batch.py)
 
     @property
     def round_s(self) -> float:
@@ -49,7 +56,8 @@ class RoundConfig:
     def of(cls, instance: InstanceConfig) -> RoundConfig:
         """The round configuration an instance's config asks for."""
         return cls(instance.ttft_s, instance.tpot_s, instance.gamma, instance.enabled(Ablation.SP),
-                   instance.slot_order, instance.slot_length, instance.max_batch_tokens)
+                   instance.slot_order, instance.slot_length, instance.max_batch_tokens,
+                   sp_batch=instance.sp_batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,52 @@
+"""What prefilling a prompt's next chunk costs on a cold instance: the prices the round scheduler
+sizes P and SP chunks by, and ranks SP candidates by (talaria/instance/sp_batch.py).
+
+A waiting prompt reuses the prefix this instance holds (device pages, or host pages it restores
+first) and prefills the rest; a running one continues from its computed tokens. Prices come from
+the instance's CostModel, so they carry its EWMA corrections. Plain arithmetic, no side effects.
+"""
+
+from __future__ import annotations
+
+from talaria.instance.batcher import Batcher
+from talaria.instance.cost_model import CostModel
+from talaria.instance.sequence import SeqStatus, Sequence
+
+
+class PromptCosts:
+    def __init__(self, costs: CostModel, page_size: int, min_chunk: int) -> None:
+        self.costs = costs
+        self.page_size = page_size
+        self.min_chunk = min_chunk  # the smallest prefill chunk worth a step
+
+    def tail(self, model: str, b: Batcher, seq: Sequence) -> tuple[int, float, int]:
+        """(tokens whose KV it has or can reuse, seconds to restore those from host, tokens left to prefill)."""
+        if seq.status is SeqStatus.RUNNING:
+            return seq.num_computed, 0.0, seq.num_uncomputed
+        on_device, on_host = b.reusable(seq)
+        cached = (on_device + on_host) * self.page_size
+        return cached, self.costs.restore_s(model, on_host * self.page_size), len(seq.token_ids) - cached
+
+    def work(self, model: str, b: Batcher, seq: Sequence) -> float:
+        """Its whole prefill as a chunk of a step that pays the fixed cost already: restore and tail."""
+        cached, restore, todo = self.tail(model, b, seq)
+        return restore + self.costs.prefill_s(model, todo, cached, batched=True)
+
+    def fit(self, model: str, b: Batcher, seq: Sequence, budget: float, tokens: int,
+            batched: bool = False) -> tuple[int, float]:
+        """The most prompt tokens of `seq` (at most `tokens`) whose prefill, plus its restore when it
+        is not admitted yet, fits `budget`; 0 when not even the smallest chunk does. `batched`: the
+        step has a chunk already, which pays the forward's fixed cost (as `Profile.step_s` prices it)."""
+        cached, restore, todo = self.tail(model, b, seq)
+        hi = min(todo, tokens)
+        lo = min(hi, self.min_chunk)
+
+        def cost(n: int) -> float:
+            return restore + self.costs.prefill_s(model, n, cached, batched)
+
+        if lo <= 0 or cost(lo) > budget:
+            return 0, 0.0
+        while lo < hi:  # the largest n in [lo, hi] with cost(n) <= budget (cost grows with n)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+        return lo, cost(lo)

@@ -1,0 +1,97 @@
+"""Which waiting continuations a session-prefill (SP) step admits (paper §3.4; issue 20, item 4).
+
+Chosen by config (`sp_batch` in `[[instances]]`); the round scheduler calls one at every SP
+opportunity that has continuations waiting, with the candidates in arrival order.
+
+- `paper`: every eligible continuation, in arrival order; the budget left after protected decode
+  bounds the batch (paper §3.4). Free when a prefill step's fixed cost is small.
+- `pays`: an SP step is an extra prefill step in the slot. It pays the step's fixed cost once more,
+  and every sequence decoding in the slot waits for it; left alone, the continuations would be
+  served by the model's next P step, which pays that fixed cost once for its whole queue. So the
+  step runs only when the completions it brings forward outweigh those it pushes back, all from the
+  scheduler's own predictions (no constant in it is fitted):
+
+      c      the step: its fixed cost (0 when chunks already in it pay it) + each admitted
+             continuation's work w_i (its host restore and the prefill of its uncached tail)
+      T, W   the slot's time left; the time until the model's next P (T, then the budgets of the
+             round's slots still queued and the switches into them and back)
+      d      a call's decode: the mean output of the calls this model finished here x the
+             predicted decode step (0 before any finished); r_j: decoder j's remaining decode,
+             that mean less what it generated (at least one step)
+
+  An admitted continuation that completes in the slot (c + d <= T) is served W - c + w_i sooner
+  than by the next P; one that does not gains only the decode it gets done here, T - c. A decoder
+  is delayed by c, and by W - T more when the step pushes its end past the slot's (r_j <= T < r_j + c):
+  it then finishes after the next P. Candidates are ranked by predicted remaining work (w_i + d),
+  shortest first, and the step admits the prefix of that ranking whose gain most exceeds its loss;
+  none when no prefix gains (they wait for the next P, or a later opportunity of this slot).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from talaria.config.schema import SpBatch
+
+T = TypeVar("T")
+
+
+def share(outputs: list[int], generated: int, lo: float, hi: float) -> float:
+    """Of the observed outputs (sorted) longer than `generated` tokens, the share that ended after
+    more than `lo` and at most `hi` further tokens: the chance a call that has generated `generated`
+    tokens finishes in that window. 0 when no observed output is that long."""
+    above = len(outputs) - bisect_right(outputs, generated)
+    if above <= 0 or hi <= lo:
+        return 0.0
+    return (bisect_right(outputs, generated + hi) - bisect_right(outputs, generated + lo)) / above
+
+
+@dataclass(frozen=True, slots=True)
+class SpOpportunity:
+    """What an SP step at this decode boundary would cost and save, as the round scheduler predicts it."""
+
+    fixed_s: float  # the step's fixed cost; 0 when chunks already in the step pay it
+    left_s: float  # T: the slot's budget left
+    later_s: float  # L: from the slot's end to the model's next P (the round's later slots and switches)
+    step_s: float  # t_D: one decode step of the slot's batch
+    generated: tuple[int, ...]  # tokens each decoding sequence has generated so far
+    outputs: list[int]  # output lengths of the model's calls finished here, sorted ([]: none yet)
+
+    def net_s(self, works: list[float]) -> float:
+        """Seconds of completion brought forward, less those pushed back, by a step admitting `works`."""
+        c, t, n = self.fixed_s + sum(works), self.left_s, len(self.generated)
+        ends = t if n else 0.0  # without the step the slot runs to its budget, or ends now if nothing decodes
+        wait = ends + self.later_s  # until the next P would serve the candidates
+        p = share(self.outputs, 0, 0, (t - c) / self.step_s) if self.outputs else 1.0
+        gain = sum(p * (wait - c + w) + (1 - p) * max(0.0, ends - c) for w in works)
+        pushed = sum(share(self.outputs, g, (t - c) / self.step_s, t / self.step_s) for g in self.generated)
+        return gain - c * n - pushed * self.later_s
+
+
+SpBatchFn = Callable[[list[T], Callable[[T], float], Callable[[], SpOpportunity]], list[T]]
+
+
+def paper(candidates: list[T], work: Callable[[T], float], opportunity: Callable[[], SpOpportunity]) -> list[T]:
+    """Every candidate, in arrival order: the budget alone bounds the batch."""
+    return candidates
+
+
+def pays(candidates: list[T], work: Callable[[T], float], opportunity: Callable[[], SpOpportunity]) -> list[T]:
+    """The shortest-work-first prefix of the candidates with the largest net gain; [] when none gains."""
+    o = opportunity()
+    ranked = sorted(((work(q), i) for i, q in enumerate(candidates)))
+    best, best_net = 0, 0.0
+    for k in range(1, len(ranked) + 1):
+        net = o.net_s([w for w, _ in ranked[:k]])
+        if net > best_net:
+            best, best_net = k, net
+    return [candidates[i] for _, i in ranked[:best]]
+
+
+SP_BATCHES: dict[SpBatch, SpBatchFn] = {
+    SpBatch.PAPER: paper,
+    SpBatch.PAYS: pays,
+}
