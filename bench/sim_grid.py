@@ -2,6 +2,7 @@
 
     python bench/sim_grid.py [--seeds 0,1] [--ttft 5,10,20,30] [--intercepts profile,2.1]
                              [--variants talaria,no-sp,no-hkvr,h2d-only,round-only] [--json PATH]
+                             [--sp-batch paper|pays]
 
 The workload is fixed by issue 20, not chosen here: `talaria trace gen --preset paper-tp8 --seed S`
 (960 calls, 30 model-sessions) on profiles/paper-tp8.toml's own topology (one TP=8 cold instance,
@@ -9,7 +10,8 @@ The workload is fixed by issue 20, not chosen here: `talaria trace gen --preset 
 profile's (one forward's fixed cost, the decode base) and 2.1 s (the smallest exact fit of the
 paper's recompute TTFTs, profiles/README.md). Each cell runs every variant; a cell passes when
 Talaria's SCT p50 and p95 are each at most 1.02 x every other variant's. Every cell is reported,
-passing or not.
+passing or not. `--sp-batch` sets every variant's SP admission rule (talaria/instance/sp_batch.py;
+default: the config's default).
 
 Progress goes to stderr, one table row per cell to stdout, everything to the JSON (default
 bench/results/sim_grid.json). Exits 1 when a cell fails.
@@ -18,6 +20,7 @@ bench/results/sim_grid.json). Exits 1 when a cell fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -32,6 +35,7 @@ from report import (  # bench/report.py, beside this script
     write_json,
 )
 
+from talaria.config.schema import SpBatch
 from talaria.contracts.profile_file import load_profile
 from talaria.sim.report import summary, variant
 from talaria.sim.simulation import Simulation, profile_topology
@@ -42,17 +46,21 @@ TOLERANCE = 1.02  # Talaria may be at most 2 % worse than a comparison (issue 20
 TPOT_S, GAMMA = 0.2, 0.8  # `talaria sim`'s defaults for the profile's topology
 
 
-def run_cell(seed: int, ttft_s: float, intercept: str, variants: list[str]) -> dict:
+def run_cell(seed: int, ttft_s: float, intercept: str, variants: list[str], sp_batch: SpBatch | None = None) -> dict:
     profile = load_profile(ROOT / "profiles" / "paper-tp8.toml")
     if intercept != "profile":
         profile = profile.with_prefill_base(float(intercept))
     trace = list(generate(preset("paper-tp8"), random.Random(seed)).calls)
     config = profile_topology(profile, ttft_s, TPOT_S, GAMMA)
+    if sp_batch is not None:
+        config = dataclasses.replace(config, instances=tuple(dataclasses.replace(i, sp_batch=sp_batch)
+                                                             for i in config.instances))
     results = {v: summary(Simulation(variant(config, v), profile, trace).run()) for v in variants}
     talaria = results["talaria"]
     worst = {q: max(talaria[f"sct_{q}_s"] / r[f"sct_{q}_s"] for v, r in results.items() if v != "talaria")
              for q in ("p50", "p95")}
-    return {"seed": seed, "ttft_s": ttft_s, "intercept": intercept, "variants": results,
+    return {"seed": seed, "ttft_s": ttft_s, "intercept": intercept, "sp_batch": config.instances[0].sp_batch.value,
+            "variants": results,
             "worst_ratio": worst, "passed": all(x <= TOLERANCE for x in worst.values())}
 
 
@@ -63,6 +71,7 @@ def main() -> int:
     ap.add_argument("--intercepts", default="profile,2.1")
     ap.add_argument("--variants", default="talaria,no-sp,no-hkvr,h2d-only,round-only")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "sim_grid.json")
+    ap.add_argument("--sp-batch", choices=[b.value for b in SpBatch], default=None)
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",")]
     if variants[0] != "talaria":
@@ -73,7 +82,7 @@ def main() -> int:
     for seed in (int(s) for s in args.seeds.split(",")):
         for intercept in args.intercepts.split(","):
             for ttft in (float(t) for t in args.ttft.split(",")):
-                cell = run_cell(seed, ttft, intercept, variants)
+                cell = run_cell(seed, ttft, intercept, variants, args.sp_batch and SpBatch(args.sp_batch))
                 cells.append(cell)
                 t = cell["variants"]["talaria"]
                 log(f"seed {seed}, intercept {intercept}, T_ttft {ttft:g} s: talaria SCT p50 {t['sct_p50_s']:.1f} "
