@@ -3,8 +3,8 @@
 `Cost = dR_req + C_kv + C_act`, in seconds, each term charged once:
 - `dR_req`: the queue ahead of the call (calls waiting or sent since the snapshot, and other
   sessions' live leases, each an admission unit), the wait for the model's slot on a cold instance
-  where it is not active, the prefill of the prompt past the reusable prefix, and the decode of its
-  tokens;
+  where it is not active (the rest of the open round, plus the deadline risk below), the prefill of
+  the prompt past the reusable prefix, and the decode of its tokens;
 - `C_kv`: 0 for a device-resident prefix, its restore for a host-restorable one, its recompute
   otherwise (and on every instance other than the session's own);
 - `C_act`: 0 when the model is active there, the staged switch cost when it is staged, a full H2D
@@ -21,6 +21,13 @@ own prefill: processor sharing, talaria/routing/session_load.py), must start wit
 TTFT target rather than the round-admission bound, and must leave every admitted session's prefix
 room in the KV pool. `work_s` prices one call for that load.
 
+Deadline risk: a cold instance reports its recent rounds (`RoundState.last_rounds`). When they ran
+past their bound (`round_s`: slots overran their budgets, work was left for a later slot), the rest
+of the open round, predicted from its budgets, is short by about as much: the mean overrun of those
+rounds is added to the slot wait. It makes such an instance a worse target and its models' holders
+costlier, so Eq. (2) opens a replica elsewhere sooner (paper §3.3: "deadline-risk telemetry makes
+an underestimated instance less attractive in subsequent decisions").
+
 Every price is the profile's, scaled by what the instance measured against it
 (`InstanceStats.cost_scale`: its EWMA of measured / profile-priced prefill, decode and opens by each
 switch path), so a machine slower than its profile (other load, a profile taken elsewhere) is not
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 
 from talaria.config.schema import RouterConfig
 from talaria.contracts.profile import ModelProfile
+from talaria.contracts.telemetry import RoundState
 from talaria.contracts.vocabulary import KVLocation, SwitchPath
 from talaria.routing.decision import RouteRequest
 from talaria.routing.instance_view import InstanceView
@@ -53,7 +61,7 @@ class Terms:
     active: bool
     staged: bool
     c_act_s: float  # 0 active; the staged switch; else an H2D open
-    slot_wait_s: float  # a cold instance where the model is not active: the rest of the round
+    slot_wait_s: float  # a cold instance where the model is not active: the rest of the round, plus its overrun
     free_pages: int  # KV pages the model's pool has free
     admit_s: float  # round admission: the latest start a call may be predicted to have
     ttft_s: float  # a new session's first call must start within this: the TTFT target (else admit_s)
@@ -85,6 +93,14 @@ class Cost:
         return self.queue_s + self.c_act_s + self.c_kv_s + self.prefill_s
 
 
+def round_overrun_s(rounds: RoundState) -> float:
+    """Deadline risk in seconds: how far the instance's recent rounds ran past their bound, on average
+    (0 when they kept to it, or none has finished)."""
+    if not rounds.last_rounds or rounds.round_s <= 0:
+        return 0.0
+    return sum(max(0.0, r["wall_s"] - rounds.round_s) for r in rounds.last_rounds) / len(rounds.last_rounds)
+
+
 class PlacementCosts:
     """Eq. (1) and (2) over the router's views, with the router's knobs and its live leases."""
 
@@ -108,7 +124,7 @@ class PlacementCosts:
                 coverage = s.substrate.get("staging_coverage", 0.0) if staged else 0.0
                 path = SwitchPath.for_coverage(coverage).value
                 c_act = p.switch_s(model, coverage) * scale.get(f"{model}/switch:{path}", 1.0)
-            wait = s.rounds.round_remaining_s if (s.rounds is not None and not active) else 0.0
+            wait = s.rounds.round_remaining_s + round_overrun_s(s.rounds) if (s.rounds is not None and not active) else 0.0
             free = s.kv_pages_total - (s.kv_pages_used if active else 0)
             admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
             t = view.terms[model] = Terms(mp, active, staged, c_act, wait, free, admit,

@@ -41,9 +41,10 @@ class Clock:
 
 
 def snapshot(name: str, active: str | None = "m", waiting: int = 0, sessions=(), version: int = 1,
-             busy: tuple[str, ...] = ()) -> InstanceStats:
+             busy: tuple[str, ...] = (), round_walls: tuple[float, ...] = ()) -> InstanceStats:
+    """round_walls: how long its recent rounds took (their bound is 10 s)."""
     queues = tuple(ModelQueue(m, 1 if m in busy else 0, 0, m == active) for m in ("m", "n"))
-    rounds = RoundState(1, 0.0, None, {}, 0, 0, (), round_s=10.0)
+    rounds = RoundState(1, 0.0, None, {}, 0, 0, tuple({"wall_s": w} for w in round_walls), round_s=10.0)
     return InstanceStats(name, waiting, 0, 0, 1000, models=("m", "n"), active_model=active, version=version,
                          pool=Pool.COLD, queues=queues, rounds=rounds, sessions=tuple(sessions), page_size=16)
 
@@ -174,6 +175,28 @@ def test_opening_a_model_another_instance_holds_needs_gain_above_its_price(penal
     assert (d.instance, d.reason) == (expected, reason)
     assert d.avoidable_open is (expected == "b")
     assert r.stats.avoidable_opens == (1 if expected == "b" else 0)
+
+
+def test_rounds_that_overran_make_an_instance_a_worse_target():
+    """Deadline risk: a and b both hold m, inactive, with the same open round; a's last rounds ran 6 s
+    and 2 s past their 10 s bound (4 s on average), b's kept to it. The tie a would win goes to b."""
+    clock = Clock()
+    r, _ = router(("a", snapshot("a", active="n", busy=("m",), round_walls=(16.0, 12.0))),
+                  ("b", snapshot("b", active="n", busy=("m",), round_walls=(9.0, 10.0))), clock=clock)
+    d = r.route(req(session=None))
+    assert d.instance == "b"
+    assert r.costs.terms(r.views["a"], "m").slot_wait_s == pytest.approx(4.0)
+    assert r.costs.terms(r.views["b"], "m").slot_wait_s == 0.0
+
+
+@pytest.mark.parametrize(("walls", "expected"), [((10.0,), "a"), ((40.0,), "b")])
+def test_a_holder_whose_rounds_overrun_loses_a_replica_decision(walls, expected):
+    """a holds m, 5 calls queued (5 s); b would open m (2 s); nu = 5 s refuses the replica while a's
+    rounds keep to their bound, and a 30 s overrun makes it pay."""
+    clock = Clock()
+    r, _ = router(("a", snapshot("a", active="n", waiting=5, busy=("m",), round_walls=walls)),
+                  ("b", snapshot("b", active="n")), clock=clock, replica_penalty_s=5.0, admit_rounds=10.0)
+    assert r.route(req(session=None)).instance == expected
 
 
 def test_opening_a_model_nobody_holds_is_not_a_replica_decision():
