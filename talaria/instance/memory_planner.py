@@ -189,15 +189,17 @@ class MemoryPlanner:
 
     def telemetry(self, now: float | None = None, slack: bool = True) -> dict:
         """Staging and HKVR state for the snapshot. Slack scans the staging chunks' pages, so it is
-        recomputed at most every SLACK_EVERY_S of `now` (always when `now` is None), and never
-        with `slack` False (the simulator's heartbeats: the router does not read it)."""
+        recomputed at most every SLACK_EVERY_S of `now` (always when `now` is None), and neither
+        computed nor reported with `slack` False (the simulator's heartbeats: its scan is the cost;
+        the router then prices no staging shortfall)."""
         out: dict = {}
         if self.stager is not None:
-            if slack and (now is None or now - self._slack_at >= SLACK_EVERY_S):
-                self._slack = self.stager.slack_bytes(self._clean_free) if self._pool else 0
-                self._slack_at = now if now is not None else self._slack_at
-            out.update(staged_model=self.stager.target_model, staging_coverage=self.stager.coverage(),
-                       staging_slack_bytes=self._slack)
+            out.update(staged_model=self.stager.target_model, staging_coverage=self.stager.coverage())
+            if slack:
+                if now is None or now - self._slack_at >= SLACK_EVERY_S:
+                    self._slack = self.stager.slack_bytes(self._clean_free) if self._pool else 0
+                    self._slack_at = now if now is not None else self._slack_at
+                out["staging_slack_bytes"] = self._slack
         if self.host is not None:
             st = self.host.stats()
             out.update(host_kv_slabs_used=st.used, host_kv_slabs_total=st.num_slabs, host_kv_hits=st.hits)

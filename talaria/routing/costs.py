@@ -220,11 +220,28 @@ class PlacementCosts:
         return max(0.0, cost.start_s - t.admit_s)
 
     def replica_price(self, view: InstanceView, model: str, cost: Cost) -> float:
-        """T_swap + mu_j * dW_m + nu_m (Eq. (2)): what opening `model` on this instance must beat."""
+        """T_swap + mu_j * dW_m + nu_m (Eq. (2)): what opening `model` on this instance must beat.
+
+        mu_j = hbm_price_s_per_gib * (1 + pressure), the pressure the larger of the KV pool's
+        occupancy and the staging shortfall: the share of the staging target's weights that could
+        not be staged D2D before its switch, with the staging slack the snapshot reports (coverage +
+        slack / weight bytes is the best D2D fraction reachable; paper §3.5: when slack falls the
+        instance becomes a worse target). A snapshot without slack (the simulator's) has no shortfall."""
         s = view.snapshot
         pressure = s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 1.0
-        mu = self.config.hbm_price_s_per_gib * (1.0 + pressure)
+        mu = self.config.hbm_price_s_per_gib * (1.0 + max(pressure, self.staging_shortfall(view)))
         return cost.c_act_s + mu * view.terms[model].model.weights_bytes / GIB + self.config.replica_penalty_s
+
+    @staticmethod
+    def staging_shortfall(view: InstanceView) -> float:
+        """1 - (staging coverage + slack / the target's weight bytes), in [0, 1]; 0 without a staging
+        target, a profile price for it, or a reported slack."""
+        s, sub = view.snapshot, view.snapshot.substrate
+        slack = sub.get("staging_slack_bytes")
+        target = view.profile.models.get(s.staged_model) if s.staged_model and view.profile else None
+        if slack is None or target is None or not target.weights_bytes:
+            return 0.0
+        return 1.0 - min(1.0, sub.get("staging_coverage", 0.0) + slack / target.weights_bytes)
 
     @staticmethod
     def location(view: InstanceView, req: RouteRequest, done_at: float) -> KVLocation:

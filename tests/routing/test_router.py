@@ -7,6 +7,8 @@ Toy costs (every instance, both models): prefill 1 ms per token, a decode step 1
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from talaria.config.schema import Overload, Pool, RouterConfig, RouterPolicy
@@ -196,6 +198,21 @@ def test_a_holder_whose_rounds_overrun_loses_a_replica_decision(walls, expected)
     clock = Clock()
     r, _ = router(("a", snapshot("a", active="n", waiting=5, busy=("m",), round_walls=walls)),
                   ("b", snapshot("b", active="n")), clock=clock, replica_penalty_s=5.0, admit_rounds=10.0)
+    assert r.route(req(session=None)).instance == expected
+
+
+@pytest.mark.parametrize(("slack", "expected"), [(1 << 30, "b"), (0, "a"), (None, "b")])
+def test_staging_slack_prices_hbm_in_the_replica_rule(slack, expected):
+    """a holds m with 3 calls queued; b, idle and staging n, would open m: the gain is 5 s (a's 3 s of
+    queue and 2 s open) against T_swap 2 s + mu * 1 GiB. With room to stage all of n (slack = its
+    1 GiB) mu is the base 2 s/GiB and the replica pays; with no slack mu doubles (the pool as if
+    full) and it does not; a snapshot without slack (the simulator's) prices none."""
+    clock = Clock()
+    b = snapshot("b", active=None)
+    b = dataclasses.replace(b, staged_model="n", substrate={"staging_coverage": 0.0} | (
+        {} if slack is None else {"staging_slack_bytes": slack}))
+    r, _ = router(("a", snapshot("a", active="n", waiting=3, busy=("m",))), ("b", b), clock=clock,
+                  hbm_price_s_per_gib=2.0, admit_rounds=10.0)
     assert r.route(req(session=None)).instance == expected
 
 
