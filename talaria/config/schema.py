@@ -35,6 +35,13 @@ class LeasePolicy(str, Enum):
     ADAPTIVE = "adaptive"  # per session, from its own tool gaps; lease_s until its first gap (issue 20)
 
 
+class ReplicaGain(str, Enum):
+    """What Eq. (2)'s gain counts (talaria/routing/costs.py `window_gain`)."""
+
+    CALL = "call"  # what the replica saves this call over the best holder
+    WINDOW = "window"  # what it saves the calls it would take over a control window (issue 20; not kept)
+
+
 class Ablation(str, Enum):
     """Mechanism names as the paper uses them, shared by config, simulator and reports."""
 
@@ -234,6 +241,7 @@ class RouterConfig:
     max_queue_s: float = 30.0  # round admission on hot instances: predicted wait before the call starts
     replica_penalty_s: float = 1.0  # nu: a new replica must gain this much more than its switch and memory cost
     hbm_price_s_per_gib: float = 0.05  # mu at an empty pool (doubles when the pool is full)
+    replica_gain: ReplicaGain = ReplicaGain.CALL  # Eq. (2)'s gain: this call's saving, or a control window's
     session_ttl_s: float = 900.0  # sessions remembered this long after their last call
     max_sessions: int = 100_000  # and at most this many
     queue_timeout_s: float = 30.0  # overload = "queue" or "sessions": a held call waits its predicted wait plus this

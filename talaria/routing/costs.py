@@ -93,6 +93,20 @@ class Cost:
         return self.queue_s + self.c_act_s + self.c_kv_s + self.prefill_s
 
 
+def window_gain(saving_s: float, per_call_s: float, calls: float) -> float:
+    """Eq. (2)'s gain over a control window: what a replica saves the calls it would take in it.
+
+    The first call saves `saving_s` (the best holder's cost less the replica's). Each call it takes
+    makes the holder's queue one call's work (`per_call_s`) shorter and its own one longer, so the
+    next saves twice that less; it takes calls while they still save, at most the `calls` the window
+    brings. A window of one call, or a saving that is not positive, gives `saving_s` itself."""
+    if saving_s <= 0 or calls <= 1:
+        return saving_s
+    k = calls if per_call_s <= 0 else min(calls, saving_s / (2 * per_call_s) + 1)
+    k = max(1, int(k))
+    return k * saving_s - per_call_s * k * (k - 1)  # sum over i < k of (saving - 2 i per_call)
+
+
 def round_overrun_s(rounds: RoundState) -> float:
     """Deadline risk in seconds: how far the instance's recent rounds ran past their bound, on average
     (0 when they kept to it, or none has finished)."""
@@ -152,7 +166,7 @@ class PlacementCosts:
         else:
             c_kv = mp.prefill.seconds(reusable) * p_scale
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
-        queue = ahead * mp.prefill.seconds(mean_prompt) * p_scale
+        queue = ahead * mp.prefill.seconds(mean_prompt) * p_scale  # per_call_s each
         batch = view.snapshot.running + 1
         decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens) * t.decode_scale
         prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable) * p_scale
@@ -165,6 +179,11 @@ class PlacementCosts:
             queue += t.slot_wait_s
         return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
                     queue + prefill + decode + c_kv + t.c_act_s)
+
+    def per_call_s(self, view: InstanceView, model: str, mean_prompt: int) -> float:
+        """What each call queued on `view` is charged: the prefill of the model's mean prompt."""
+        t = self.terms(view, model)
+        return t.model.prefill.seconds(mean_prompt) * t.prefill_scale
 
     def work_s(self, view: InstanceView, model: str, prompt_tokens: int, reusable: int, max_tokens: int,
                footprint_tokens: int = 0) -> float | None:

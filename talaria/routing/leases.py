@@ -124,6 +124,7 @@ class LeaseTable:
         self.tau = FixedTau(tau_s) if tau is None else tau  # each lease's lifetime
         self._leases: dict[tuple[str, str], Lease] = {}
         self._per_instance: dict[str, int] = {}
+        self._per_model: dict[str, int] = {}
         self._heap: list[tuple[float, str, str]] = []  # (t_exp, session, model)
         self._on_expire = on_expire
 
@@ -137,6 +138,7 @@ class LeaseTable:
         self.tau.completed(key, now)
         self._leases[(session, model)] = lease
         self._per_instance[instance] = self._per_instance.get(instance, 0) + 1
+        self._per_model[model] = self._per_model.get(model, 0) + 1
         heapq.heappush(self._heap, (lease.t_exp, session, model))
         if len(self._heap) > 2 * len(self._leases) + 1024:  # consumed leases leave stale entries: compact
             self._heap = [(x.t_exp, x.session, x.model) for x in self._leases.values()]
@@ -159,6 +161,10 @@ class LeaseTable:
         """Live leases charging `instance` (call `sweep` first for an exact figure)."""
         return self._per_instance.get(instance, 0)
 
+    def count_model(self, model: str) -> int:
+        """Live leases for `model`, on any instance: its reserved returns."""
+        return self._per_model.get(model, 0)
+
     def sweep(self, now: float) -> None:
         while self._heap and self._heap[0][0] < now:
             t_exp, session, model = heapq.heappop(self._heap)
@@ -177,8 +183,9 @@ class LeaseTable:
     def _drop(self, key: tuple[str, str]) -> None:
         lease = self._leases.pop(key, None)
         if lease is not None:
-            n = self._per_instance[lease.instance] - 1
-            if n:
-                self._per_instance[lease.instance] = n
-            else:
-                del self._per_instance[lease.instance]
+            for counts, k in ((self._per_instance, lease.instance), (self._per_model, lease.model)):
+                n = counts[k] - 1
+                if n:
+                    counts[k] = n
+                else:
+                    del counts[k]

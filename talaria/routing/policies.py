@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from talaria.config.schema import RouterPolicy
+from talaria.config.schema import ReplicaGain, RouterPolicy
 from talaria.contracts.events import EventKind
+from talaria.routing.costs import window_gain
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.leases import Lease
 from talaria.routing.sessions import LastCall
@@ -44,7 +45,7 @@ class FullPolicy:
             last = router.sessions.get(req.session, req.model, now)
         fresh = router.fresh(req.model, now)
         feasible = []
-        best_holder = closest = None
+        best_holder = holder_view = closest = None
         wait = 0.0
         for view in fresh:
             cost = costs.cost(view, req, last, router.mean_prompt)
@@ -57,12 +58,17 @@ class FullPolicy:
                 continue
             feasible.append((view, cost))
             if not cost.opens and (best_holder is None or cost.total_s < best_holder.total_s):
-                best_holder = cost
+                best_holder, holder_view = cost, view
         held = any(req.model in v.holds for v in fresh)
         best = None
         for view, cost in feasible:
-            if cost.opens and held:  # Eq. (2): a replica must gain more than it costs
-                gain = math.inf if best_holder is None else best_holder.total_s - (cost.delta_r_s + cost.c_kv_s)
+            if cost.opens and held:  # Eq. (2): a replica must gain more than it costs, over a control window
+                gain = math.inf
+                if best_holder is not None:
+                    gain = best_holder.total_s - (cost.delta_r_s + cost.c_kv_s)
+                    if router.config.replica_gain is ReplicaGain.WINDOW:
+                        window = router.window_calls(req.model, costs.terms(view, req.model).admit_s)
+                        gain = window_gain(gain, costs.per_call_s(holder_view, req.model, router.mean_prompt), window)
                 if not gain > costs.replica_price(view, req.model, cost):
                     continue
             if best is None or (cost.total_s, cost.instance) < (best.total_s, best.instance):

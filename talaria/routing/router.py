@@ -68,6 +68,7 @@ class Router:
         self.stats = RouterStats()
         self._policy = POLICIES[config.policy]
         self._mean_prompt: dict[str, float] = {}  # EWMA of routed prompt lengths, per model
+        self._arrivals: dict[str, tuple[float, float | None]] = {}  # model -> (last arrival, EWMA of the gaps)
         self.local_only = False  # the call being routed may only go to this node's instances
         self.mean_prompt = 0  # the model's mean prompt, in tokens, for the call being routed
 
@@ -132,6 +133,18 @@ class Router:
         means = self._mean_prompt
         m = means.get(req.model)
         means[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
+        now = self.clock()
+        last, gap = self._arrivals.get(req.model, (None, None))
+        if last is not None:
+            gap = now - last if gap is None else 0.9 * gap + 0.1 * (now - last)
+        self._arrivals[req.model] = (now, gap)
+
+    def window_calls(self, model: str, window_s: float) -> float:
+        """Calls of `model` predicted within the next `window_s`: its observed arrival rate over the
+        window, plus its reserved returns (live leases); at least this one."""
+        gap = self._arrivals.get(model, (None, None))[1]
+        arriving = window_s / gap if gap else 0.0
+        return max(1.0, arriving + self.leases.count_model(model))
 
     def decide(self, req: RouteRequest, local: bool = False) -> RouteDecision:
         """`route` without its bookkeeping: for a call held at the gateway asking again, which is

@@ -11,7 +11,9 @@ import dataclasses
 
 import pytest
 
+from talaria.config.schema import ReplicaGain
 from talaria.contracts.profile import DecodeCurve
+from talaria.routing.costs import window_gain
 from talaria.routing.decision import Reason, RouteRequest
 from talaria.routing.session_load import InstanceLoad
 from tests.routing.test_router import PROFILE, Clock, router, snapshot
@@ -98,3 +100,31 @@ def test_on_a_cold_instance_new_sessions_of_the_active_and_the_waiting_model_are
     active, waiting = new(), RouteRequest("n", "new-n", 500, 1, "r", new_session=True)
     assert r.route(active).cost.queue_s == r.route(waiting).cost.queue_s == pytest.approx(1.25)
     assert r.route(RouteRequest("n", "old", 500, 1, "r")).cost.queue_s == pytest.approx(1.5)  # a call waits
+
+
+@pytest.mark.parametrize(("saving", "per_call", "calls", "gain"), [
+    (5.0, 1.0, 1.0, 5.0),  # a window of this call alone: its saving
+    (5.0, 1.0, 10.0, 5.0 + 3.0 + 1.0),  # it takes calls while they save: 5, 3, 1 (the next would save -1)
+    (5.0, 1.0, 2.5, 5.0 + 3.0),  # ... but no more than the window brings
+    (-1.0, 1.0, 10.0, -1.0),  # no saving for the first: none for the rest
+    (5.0, 0.0, 3.0, 15.0),  # free calls: each saves the same
+])
+def test_window_gain_counts_what_each_call_the_replica_would_take_saves(saving, per_call, calls, gain):
+    assert window_gain(saving, per_call, calls) == pytest.approx(gain)
+
+
+@pytest.mark.parametrize(("replica_gain", "expected"), [(ReplicaGain.CALL, "a"), (ReplicaGain.WINDOW, "b")])
+def test_a_control_window_of_arrivals_can_pay_for_a_replica_one_call_cannot(replica_gain, expected):
+    """a holds m, not active, with 2 calls queued and rounds of 10 s; b would open m. One call saves 4 s
+    (a's queue of 2 s and its open of 2 s), short of b's T_swap 2 s + nu 3 s; with a call every 2 s,
+    the 20 s admission window (2 rounds) brings 10, of which the replica would take 3 (saving 4, 2
+    and 0 s: 6 s > 5 s)."""
+    clock = Clock()
+    r, _ = router(("a", snapshot("a", active="n", waiting=2, busy=("m",))), ("b", snapshot("b", active="n")),
+                  clock=clock, replica_penalty_s=3.0, admit_rounds=2.0, replica_gain=replica_gain)
+    for _ in range(5):  # arrivals of m every 2 s, placed and forgotten (no session: no leases)
+        r.arrived(RouteRequest("m", None, 1000, 1, "x"))
+        clock.now += 2.0
+    r.observe("a", snapshot("a", active="n", waiting=2, busy=("m",), version=2))
+    r.observe("b", snapshot("b", active="n", version=2))
+    assert r.route(RouteRequest("m", None, 1000, 1, "r")).instance == expected
