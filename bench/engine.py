@@ -11,6 +11,12 @@ every concurrent request, so HF needs no padding). Per run it measures:
   ``generate`` call with ``max_new_tokens=1``);
 * Talaria only: TTFT of a 2,048-token prefix plus a 64-token tail on an empty prefix cache, then of
   the same prefix with another tail once the prefix has been served (a prefix hit);
+* decode tok/s of 8 concurrent requests that share that 2,048-token prefix, each with its own
+  64-token tail (an agent fleet's system prompt): Talaria with the prefix cached beforehand, so the
+  8 share its pages and decode reads them once (talaria/executor/attention.py), against ``generate``
+  on the same 8 prompts as one batch (``shared_*`` keys). Greedy tokens may part from ``generate``'s
+  within a few tokens here: Talaria prefilled the prefix in chunks, ``generate`` in one pass, and
+  fp32 near-ties fall either way (with the shared part off, Talaria's tokens are the same as with it);
 * the MoE row: decode tokens/s at 1 and 8 concurrent, the same way, on a synthetic Qwen3-MoE model
   (16 experts, top-2, hidden 512, 8 layers, float32; docs/moe.md) against ``generate`` with
   transformers' default experts implementation (``moe_*`` keys).
@@ -68,6 +74,8 @@ MIN_CACHED_ON_HIT = 2000
 AGREE_TOKENS = 16  # greedy outputs of both engines should match this far (fp32 near-ties may not)
 TARGETS = {"ratio_decode_1": 1.0, "ratio_decode_8": 1.5, "prefix_hit_ttft_speedup": 10.0,
            "moe_ratio_decode_8": 1.5}
+SHARED_REQUESTS = 8  # requests sharing the prefix, each with its own tail
+SHARED_DECODE_TOKENS = 32
 
 QUESTION = ("I am planning a week-long cycling trip along a river valley in early autumn. Which clothes and "
             "repair tools should I pack, how far should I ride each day as a beginner, and what should I eat "
@@ -178,6 +186,15 @@ def hf_decode(model, prompt: list[int], batch: int, n: int) -> tuple[float, list
     return batch * (n - 1) / (clock.times[-1] - clock.times[1]), tokens
 
 
+def hf_decode_batch(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    """`hf_decode` for distinct prompts of one length (no padding): decode tokens/s, the same window."""
+    ids = torch.tensor(prompts)
+    clock = StepClock()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
+    return len(prompts) * (n - 1) / (clock.times[-1] - clock.times[1]), out[:, ids.shape[1]:].tolist()
+
+
 def hf_ttft(model, prompt: list[int], batch: int) -> float:
     t0 = time.perf_counter()
     hf_generate(model, prompt, batch, 1)
@@ -220,6 +237,18 @@ def one_run(files: ModelFiles, hf, prompt: list[int], prefix: list[int], tails: 
                            f"{MIN_CACHED_ON_HIT}: the prefix cache is not working")
     row.update(talaria_prefix_cold_ttft_s=cold.ttft_s[0], talaria_prefix_hit_ttft_s=hit.ttft_s[0],
                talaria_prefix_hit_cached_tokens=hit.cached_tokens[0])
+    prompts = [prefix + t for t in shared_tails(tails)]
+    log(f"talaria decode, {len(prompts)} requests sharing the {len(prefix)}-token prefix")
+    shared = serve(core, prompts, SHARED_DECODE_TOKENS)  # the prefix is cached: the 8 share its pages
+    if min(shared.cached_tokens) < MIN_CACHED_ON_HIT:
+        raise RuntimeError(f"requests sharing the prefix reused {min(shared.cached_tokens)} cached tokens, "
+                           f"expected at least {MIN_CACHED_ON_HIT}")
+    log(f"hf decode, {len(prompts)} requests sharing the {len(prefix)}-token prefix")
+    hf_rate, hf_tokens = hf_decode_batch(hf, prompts, SHARED_DECODE_TOKENS)
+    row.update(talaria_shared_decode_tok_s=shared.decode_tok_s, hf_shared_decode_tok_s=hf_rate,
+               talaria_shared_cached_tokens=min(shared.cached_tokens),
+               ratio_shared_decode=shared.decode_tok_s / hf_rate,
+               shared_greedy_agree=[leading_agreement(t, h) for t, h in zip(shared.tokens, hf_tokens)])
     row.update({f"ratio_decode_{c}": row[f"talaria_decode_tok_s_{c}"] / row[f"hf_decode_tok_s_{c}"]
                 for c in CONCURRENCY})
     row.update({f"ratio_ttft_{c}": row[f"hf_ttft_s_{c}"] / row[f"talaria_ttft_s_{c}"] for c in CONCURRENCY})
@@ -243,6 +272,17 @@ def moe_run(files: ModelFiles, hf, prompt: list[int], n: int, log) -> dict:
 
 
 # ---- inputs, report ----------------------------------------------------------------------------
+
+def shared_tails(tails: list[list[int]]) -> list[list[int]]:
+    """SHARED_REQUESTS distinct tails of TAIL_TOKENS tokens: the two question tails, then rotations
+    of them (a rotation of a question is another question's worth of distinct tokens)."""
+    out = []
+    for i in range(SHARED_REQUESTS):
+        t = tails[i % len(tails)]
+        k = (i // len(tails)) * 7
+        out.append(t[k:] + t[:k])
+    return out
+
 
 def build_inputs(tok) -> tuple[list[int], list[int], list[list[int]]]:
     """The chat prompt, the PREFIX_TOKENS-token prefix and TAIL_TOKENS-token tails, as token ids."""
@@ -270,6 +310,8 @@ def table(m: dict) -> str:
     rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} cold cache", ms(m["talaria_prefix_cold_ttft_s"]), "-", "-"))
     rows.append((f"TTFT ms, {PREFIX_TOKENS}+{TAIL_TOKENS} prefix hit", ms(m["talaria_prefix_hit_ttft_s"]), "-",
                  f"{m['prefix_hit_ttft_speedup']:.2f}"))
+    rows.append((f"decode tok/s, {SHARED_REQUESTS} sharing {PREFIX_TOKENS}", f"{m['talaria_shared_decode_tok_s']:.1f}",
+                 f"{m['hf_shared_decode_tok_s']:.1f}", f"{m['ratio_shared_decode']:.2f}"))
     for c in CONCURRENCY:
         rows.append((f"MoE decode tok/s, {c} concurrent", f"{m[f'moe_talaria_decode_tok_s_{c}']:.1f}",
                      f"{m[f'moe_hf_decode_tok_s_{c}']:.1f}", f"{m[f'moe_ratio_decode_{c}']:.2f}"))

@@ -3,7 +3,15 @@
 KV lives in pages (see kv_cache.py). A step's metadata says where each new token's K/V goes
 (page, offset) and which pages each sequence attends to. Prefill chunks run one SDPA call each,
 with a causal mask offset by the cached prefix. A lone decoding sequence gathers exactly its
-context. A batch of decoding sequences (one query each) runs as one padded SDPA call.
+context. A batch of decoding sequences (one query each) runs as one padded SDPA call, or, when
+they share a long prefix, in two parts (below).
+
+**Shared prefix, read once.** Sessions that reuse a prompt through the prefix cache hold the same
+leading pages (an agent's system prompt and tools: thousands of tokens). When every sequence of a
+decode batch starts with the same full pages, and they are at least half the longest context,
+those pages are gathered once and all the batch's queries attend to them in one matmul; only each
+sequence's own pages after them are gathered per sequence. Both parts' scores meet in one softmax,
+so the result is the plain attention's up to summation order.
 
 Gathers copy whole pages: a layer's K (or V) of a page is one contiguous block inside the page
 (kv_cache.py), so the pages are copied as rows of a 2-D view, at memcpy speed; indexing the 4-D view
@@ -37,7 +45,8 @@ class PrefillSeq:
 class DecodeBatch:
     rows: torch.Tensor | None  # (B,) rows of decoding sequences; None when they are all the rows
     batch: int
-    pages: torch.Tensor  # (B * width,) context pages, padded with the null page
+    shared: torch.Tensor | None  # (S,) full pages every context starts with, attended once; None: no shared part
+    pages: torch.Tensor  # (B * width,) each context's pages (after the shared ones), padded with the null page
     valid: torch.Tensor | None  # (B, width * page_size) bool; None when no position is invalid
     stale: torch.Tensor | None  # flat positions of the gathered copy past a context in its last page
     ctx: int | None  # a lone sequence's context length: gather exactly that, nothing to mask
@@ -80,8 +89,26 @@ class AttentionMeta:
         return cls(torch.tensor(w_pages, device=device), torch.tensor(w_offs, device=device), decode, prefills)
 
 
+def shared_prefix(pages: list[tuple[int, ...]], ctx: list[int], page_size: int) -> int:
+    """How many leading pages every sequence holds in common, counting only pages that end before
+    every sequence's newest token (so each sequence keeps at least that token of its own)."""
+    limit = (min(ctx) - 1) // page_size
+    lo, hi = min(pages), max(pages)  # lexicographic: the common prefix of all is theirs
+    for i in range(limit):
+        if lo[i] != hi[i]:
+            return i
+    return limit
+
+
 def _decode_batch(rows: torch.Tensor | None, pages: list[tuple[int, ...]], ctx: list[int], page_size: int,
                   null_page: int, device: torch.device) -> DecodeBatch:
+    shared = None
+    if len(pages) > 1:
+        n = shared_prefix(pages, ctx, page_size)
+        if n and 2 * n >= max(len(p) for p in pages):  # at least half the longest context: worth a part of its own
+            shared = torch.tensor(pages[0][:n], device=device)
+            pages = [p[n:] for p in pages]
+            ctx = [c - n * page_size for c in ctx]
     width = max(len(p) for p in pages)
     flat = [p for ps in pages for p in (*ps, *[null_page] * (width - len(ps)))]
     lone = ctx[0] if len(ctx) == 1 else None
@@ -91,7 +118,7 @@ def _decode_batch(rows: torch.Tensor | None, pages: list[tuple[int, ...]], ctx: 
         stale_pos = [b * width * page_size + i for b, (ps, c) in enumerate(zip(pages, ctx))
                      for i in range(c, len(ps) * page_size)]
         stale = torch.tensor(stale_pos, device=device) if stale_pos else None
-    return DecodeBatch(rows, len(ctx), torch.tensor(flat, device=device), valid, stale, lone)
+    return DecodeBatch(rows, len(ctx), shared, torch.tensor(flat, device=device), valid, stale, lone)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, ctx: int | None = None,
@@ -108,11 +135,37 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, ctx: int | Non
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch,
                      scale: float) -> torch.Tensor:
     """q: (B, nh, hd), one query per decoding sequence -> (B, nh, hd)."""
+    if d.shared is not None:
+        return _shared_prefix_attention(q, k_cache, v_cache, d, scale)
     k = _gather(k_cache, d.pages, d.batch, d.ctx, d.stale).transpose(1, 2)  # (B, nkv, L, hd)
     v = _gather(v_cache, d.pages, d.batch, d.ctx, d.stale).transpose(1, 2)
     mask = d.valid[:, None, None, :] if d.valid is not None else None
     return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1]).squeeze(2)
+
+
+def _shared_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch,
+                             scale: float) -> torch.Tensor:
+    """Decode attention over a shared prefix, gathered once for the batch, plus each sequence's own
+    pages; one softmax over both parts' scores. Operands are made contiguous (BLAS takes strided
+    batches slowly); the shared part once, the own parts are the short ones."""
+    B, nh, hd = q.shape
+    nkv = k_cache.shape[2]
+    g = nh // nkv
+    ks = k_cache.flatten(1).index_select(0, d.shared).view(-1, nkv, hd).transpose(0, 1).contiguous()  # (nkv, S, hd)
+    vs = v_cache.flatten(1).index_select(0, d.shared).view(-1, nkv, hd).transpose(0, 1).contiguous()
+    ko = _gather(k_cache, d.pages, B, None, d.stale).transpose(1, 2).contiguous()  # (B, nkv, L, hd)
+    vo = _gather(v_cache, d.pages, B, None, d.stale).transpose(1, 2).contiguous()
+    qg = q.view(B, nkv, g, hd)
+    shared = torch.matmul(qg.transpose(0, 1).reshape(nkv, B * g, hd), ks.transpose(1, 2))  # (nkv, B g, S)
+    own = torch.matmul(qg, ko.transpose(2, 3))  # (B, nkv, g, L)
+    if d.valid is not None:
+        own.masked_fill_(~d.valid[:, None, None, :], float("-inf"))
+    n = shared.shape[-1]
+    p = (torch.cat((shared.view(nkv, B, g, n).transpose(0, 1), own), dim=-1) * scale).softmax(dim=-1)
+    out = torch.matmul(p[..., n:], vo)  # (B, nkv, g, hd)
+    out += torch.matmul(p[..., :n].transpose(0, 1).reshape(nkv, B * g, n), vs).view(nkv, B, g, hd).transpose(0, 1)
+    return out.reshape(B, nh, hd)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

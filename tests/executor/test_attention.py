@@ -82,3 +82,42 @@ def test_decode_rows_among_a_prefill_chunk():
                                             prefill[:, 1].repeat_interleave(g, 1).transpose(0, 1), is_causal=True)
     torch.testing.assert_close(out[:6], causal.transpose(0, 1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out[6], plain(q[6], dec[:, 0], dec[:, 1]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("prefix_pages", "tails"), [
+    (3, [1, 2, 4, 3]),  # the shared part is read once: own tails of 1-4 tokens
+    (2, [4, 1]),  # a tail that fills its page
+    (4, [5, 9, 3]),  # own parts of two pages
+    (1, [12, 7]),  # shared less than half the longest context: the padded batch reads everything
+])
+def test_sequences_sharing_a_prefix_equal_each_sequence_alone(prefix_pages, tails):
+    """Sequences whose contexts start with the same pages (a prompt reused through the prefix cache)."""
+    gen = torch.Generator().manual_seed(prefix_pages)
+    num_pages = 32
+    data = torch.full((num_pages + 1, LAYERS, 2, PAGE, NKV, HD), float("nan"), dtype=torch.float64)
+    data[num_pages].zero_()
+    k_cache, v_cache = data[:, 0, 0], data[:, 0, 1]
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    shared = tuple(free.pop() for _ in range(prefix_pages))
+    prefix_k = torch.randn(prefix_pages * PAGE, NKV, HD, generator=gen, dtype=torch.float64)
+    prefix_v = torch.randn(prefix_pages * PAGE, NKV, HD, generator=gen, dtype=torch.float64)
+    for pos in range(prefix_pages * PAGE):
+        k_cache[shared[pos // PAGE], pos % PAGE], v_cache[shared[pos // PAGE], pos % PAGE] = prefix_k[pos], prefix_v[pos]
+    chunks, keys, values = [], [], []
+    for i, tail in enumerate(tails):
+        own = tuple(free.pop() for _ in range(-(-tail // PAGE)))
+        k = torch.cat((prefix_k, torch.randn(tail, NKV, HD, generator=gen, dtype=torch.float64)))
+        v = torch.cat((prefix_v, torch.randn(tail, NKV, HD, generator=gen, dtype=torch.float64)))
+        for j in range(tail):
+            pos = prefix_pages * PAGE + j
+            k_cache[own[j // PAGE], j % PAGE], v_cache[own[j // PAGE], j % PAGE] = k[pos], v[pos]
+        chunks.append(SeqChunk(i, (0,), len(k) - 1, shared + own, sample=True, decode=True))
+        keys.append(k)
+        values.append(v)
+    meta = AttentionMeta.build(StepPlan("m", tuple(chunks)), PAGE, num_pages, torch.device("cpu"))
+    assert (meta.decode.shared is not None) == (2 * prefix_pages >= max(len(c.page_table) for c in chunks))
+    q = torch.randn(len(tails), NH, HD, generator=gen, dtype=torch.float64)
+    out = paged_attention(q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]),
+                          k_cache, v_cache, meta, 1 / math.sqrt(HD))
+    want = torch.stack([plain(q[b], keys[b], values[b]) for b in range(len(tails))])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from talaria.executor import attention
 from tests.executor.reference import ReferenceLlama
 from tests.tiny_models import GREEDY, arena_for_pages, call, engine, run, tokens
 
@@ -59,6 +60,24 @@ def test_identical_prompt_hits_all_but_the_last_token(tiny, references):
     again = run(core, [call("b", tiny.name, p)])
     assert again["b"][-1].usage.cached_tokens == 20  # 24 tokens, one must be recomputed: 5 of 6 pages
     assert tokens(again["b"]) == expect(references(tiny), p)
+
+
+def test_calls_sharing_a_cached_prefix_decode_it_once_and_keep_tokens(tiny, references, monkeypatch):
+    """Calls that reuse one prompt's pages (an agent fleet's system prompt) decode together, reading
+    the shared pages once for the batch (talaria/executor/attention.py): tokens as the reference."""
+    shared_steps = []
+    original = attention._shared_prefix_attention
+    monkeypatch.setattr(attention, "_shared_prefix_attention",
+                        lambda *a: shared_steps.append(1) or original(*a))
+    core = engine([tiny], page_size=4)
+    prefix = prompts(1, [40], seed=5)[0]
+    run(core, [call("p", tiny.name, prefix)])
+    ps = [prefix + tail for tail in prompts(4, [1, 3, 6, 9], seed=6)]
+    outs = run(core, [call(str(i), tiny.name, p) for i, p in enumerate(ps)])
+    assert shared_steps, "the calls should have decoded with a shared part"
+    for i, p in enumerate(ps):
+        assert outs[str(i)][-1].usage.cached_tokens >= 36
+        assert tokens(outs[str(i)]) == expect(references(tiny), p), f"call {i}"
 
 
 def test_chunked_prefill_advances_long_prompts_in_chunks(tiny, references):
