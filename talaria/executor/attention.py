@@ -11,7 +11,9 @@ leading pages (an agent's system prompt and tools: thousands of tokens). When ev
 decode batch starts with the same full pages, and they are at least half the longest context,
 those pages are gathered once and all the batch's queries attend to them in one matmul; only each
 sequence's own pages after them are gathered per sequence. Both parts' scores meet in one softmax,
-so the result is the plain attention's up to summation order.
+so the result is the plain attention's up to summation order. Measured: 3.7-20x less time per
+layer than the padded batch at 8-32 sequences sharing 2K-18K tokens, and in `bench/engine.py`
+8 SmolLM2 requests sharing a 2,048-token prefix decode 2.1x faster than padded, 2.0x `generate`.
 
 Gathers copy whole pages: a layer's K (or V) of a page is one contiguous block inside the page
 (kv_cache.py), so the pages are copied as rows of a 2-D view, at memcpy speed; indexing the 4-D view
