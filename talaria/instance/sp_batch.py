@@ -13,18 +13,21 @@ opportunity that has continuations waiting, with the candidates in arrival order
 
       c      the step: its fixed cost (0 when chunks already in it pay it) + each admitted
              continuation's work w_i (its host restore and the prefill of its uncached tail)
-      T, W   the slot's time left; the time until the model's next P (T, then the budgets of the
-             round's slots still queued and the switches into them and back)
-      d      a call's decode: the mean output of the calls this model finished here x the
-             predicted decode step (0 before any finished); r_j: decoder j's remaining decode,
-             that mean less what it generated (at least one step)
+      T, L   the slot's budget left; from the slot's end to the model's next P (the budgets of the
+             round's slots still queued, and the switches into them and back; 0 in its last slot)
+      ends   when the slot would end without the step: T while anything decodes, else now (0)
+      p      the chance an admitted call completes in the slot: the share of the outputs of this
+             model's calls finished here that end within (T - c) / t_D decode steps
+      pushed for each decoder, the chance the step pushes its end past the slot's: of the outputs
+             longer than what it generated, the share that end (T - c) / t_D to T / t_D steps on
 
-  An admitted continuation that completes in the slot (c + d <= T) is served W - c + w_i sooner
-  than by the next P; one that does not gains only the decode it gets done here, T - c. A decoder
-  is delayed by c, and by W - T more when the step pushes its end past the slot's (r_j <= T < r_j + c):
-  it then finishes after the next P. Candidates are ranked by predicted remaining work (w_i + d),
-  shortest first, and the step admits the prefix of that ranking whose gain most exceeds its loss;
-  none when no prefix gains (they wait for the next P, or a later opportunity of this slot).
+  Each admitted continuation gains p (W - c + w_i) + (1 - p) max(0, ends - c), W = ends + L being
+  when the next P would serve it (it completes in the slot, or gets only the decode it does here);
+  the step costs c for each decoder and L for each decoder pushed past the slot's end. Candidates are
+  ranked by predicted remaining work (w_i), shortest first, and the step admits the prefix of that
+  ranking with the largest positive net; none when no prefix gains (they wait for the next P, or a
+  later opportunity of this slot). Measured in docs/simulator.md ("SP batch selection"): it helps
+  where the prefill fixed cost is large, loses where it is a forward's, so it is off by default.
 """
 
 from __future__ import annotations
