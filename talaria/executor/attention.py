@@ -164,7 +164,9 @@ def _shared_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if d.valid is not None:
         own.masked_fill_(~d.valid[:, None, None, :], float("-inf"))
     n = shared.shape[-1]
-    p = (torch.cat((shared.view(nkv, B, g, n).transpose(0, 1), own), dim=-1) * scale).softmax(dim=-1)
+    low = torch.float32 if q.element_size() < 4 else None  # half precision: softmax in float32, as SDPA does
+    p = (torch.cat((shared.view(nkv, B, g, n).transpose(0, 1), own), dim=-1) * scale).softmax(dim=-1, dtype=low)
+    p = p.to(q.dtype)
     out = torch.matmul(p[..., n:], vo)  # (B, nkv, g, hd)
     out += torch.matmul(p[..., :n].transpose(0, 1).reshape(nkv, B * g, n), vs).view(nkv, B, g, hd).transpose(0, 1)
     return out.reshape(B, nh, hd)
