@@ -68,6 +68,10 @@ class Terms:
     prefill_scale: float  # measured / profile-priced, from the snapshot's cost_scale (1: as priced)
     decode_scale: float
 
+    def per_call_s(self, mean_prompt: int) -> float:
+        """What each call queued here is charged: the prefill of the model's mean prompt."""
+        return self.model.prefill.seconds(mean_prompt) * self.prefill_scale
+
 
 @dataclass(slots=True)
 class Cost:
@@ -166,7 +170,7 @@ class PlacementCosts:
         else:
             c_kv = mp.prefill.seconds(reusable) * p_scale
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
-        queue = ahead * mp.prefill.seconds(mean_prompt) * p_scale  # per_call_s each
+        queue = ahead * t.per_call_s(mean_prompt)
         batch = view.snapshot.running + 1
         decode = req.max_tokens * mp.decode.seconds(batch, batch * req.prompt_tokens) * t.decode_scale
         prefill = mp.prefill.seconds(req.prompt_tokens - reusable, reusable) * p_scale
@@ -179,11 +183,6 @@ class PlacementCosts:
             queue += t.slot_wait_s
         return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
                     queue + prefill + decode + c_kv + t.c_act_s)
-
-    def per_call_s(self, view: InstanceView, model: str, mean_prompt: int) -> float:
-        """What each call queued on `view` is charged: the prefill of the model's mean prompt."""
-        t = self.terms(view, model)
-        return t.model.prefill.seconds(mean_prompt) * t.prefill_scale
 
     def work_s(self, view: InstanceView, model: str, prompt_tokens: int, reusable: int, max_tokens: int,
                footprint_tokens: int = 0) -> float | None:

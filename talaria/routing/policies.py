@@ -68,7 +68,8 @@ class FullPolicy:
                     gain = best_holder.total_s - (cost.delta_r_s + cost.c_kv_s)
                     if router.config.replica_gain is ReplicaGain.WINDOW:
                         window = router.window_calls(req.model, costs.terms(view, req.model).admit_s)
-                        gain = window_gain(gain, costs.per_call_s(holder_view, req.model, router.mean_prompt), window)
+                        per_call = costs.terms(holder_view, req.model).per_call_s(router.mean_prompt)
+                        gain = window_gain(gain, per_call, window)
                 if not gain > costs.replica_price(view, req.model, cost):
                     continue
             if best is None or (cost.total_s, cost.instance) < (best.total_s, best.instance):
