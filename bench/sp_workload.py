@@ -100,8 +100,9 @@ def describe() -> dict:
             "ttft_s": TTFT_S, "tpot_s": TPOT_S, "gamma": GAMMA, "dtype": "float64", "threads": 1}
 
 
-def config_text(ablations: list[str], events: Path | None, profile: Path | None) -> str:
-    """One cold instance serving the three models; `profile` (when given) is what it budgets with."""
+def config_text(ablations: list[str], events: Path | None, profile: Path | None, record_steps: bool = False) -> str:
+    """One cold instance serving the three models; `profile` (when given) is what it budgets with;
+    `record_steps`: a `step` event per engine step in `events` (docs/events.md), for bench/sp.py's fit."""
     models = "".join(
         f'[[models]]\nname = "{name}"\nsource = "synthetic:"\ndtype = "float64"\nseed = {seed}\n\n'
         f'[models.shape]\nfamily = "{family}"\n{SHAPE}tie_word_embeddings = {tie}\n\n'
@@ -112,5 +113,6 @@ def config_text(ablations: list[str], events: Path | None, profile: Path | None)
             f'arena_bytes = "{ARENA}"\nhost_kv_bytes = "{HOST_KV}"\nstaging_chunk_bytes = "{CHUNK}"\n'
             f"ttft_s = {TTFT_S}\ntpot_s = {TPOT_S}\ngamma = {GAMMA}\nablations = {json.dumps(ablations)}\n"
             + (f'profile = "{profile}"\n' if profile is not None else "")
+            + ("record_steps = true\n" if record_steps else "")
             + '\n[router]\npolicy = "session-sticky"\n'  # one instance: routing is not what is measured
             + (f'\n[telemetry]\nevents_path = "{events}"\n' if events is not None else ""))

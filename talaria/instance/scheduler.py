@@ -204,8 +204,10 @@ class Scheduler:
                reports: list[list[RankReport]] | None = None) -> list[CallOutput]:
         now = self.clock()
         if self.record_steps:
+            prefill_s, decode_s = self.costs.profile.step_parts(plan, self.costs.page_size)
             self._emit(EventKind.STEP, model=plan.model, planned_at=self._planned_at, seconds=step_s,
-                       tokens=plan.num_tokens, seqs=len(plan.chunks))
+                       tokens=plan.num_tokens, seqs=len(plan.chunks), priced_prefill_s=prefill_s,
+                       priced_decode_s=decode_s)
         if self.rounds is not None:
             self.rounds.committed(step_s)
         elif plan.chunks:
