@@ -45,6 +45,8 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from urllib.parse import urlsplit
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/ (and talaria) from here
+
 from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
@@ -73,6 +75,7 @@ from talaria.replay import percentile
 from talaria.routing.decision import Reason, RouteRequest
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.router import Router
+from tests.served_models import synthetic_model_toml
 
 TARGETS = {"lease_hit_p99_us": 20.0, "ranked_p99_us": 250.0, "gateway_added_p50_ms": 2.0}  # all upper bounds
 
@@ -266,23 +269,7 @@ def summarize_router(decisions: list[tuple[str, str, int]], reference: list[int]
 CONFIG_TEXT = f"""[server]
 host = "127.0.0.1"
 
-[[models]]
-name = "{GATEWAY_MODEL}"
-source = "synthetic:"
-dtype = "float32"
-seed = 1
-
-[models.shape]
-family = "llama"
-hidden_size = 128
-intermediate_size = 256
-num_layers = 4
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 512
-max_position = 2048
-tie_word_embeddings = false
-
+{synthetic_model_toml(GATEWAY_MODEL, "llama", 1, tie_word_embeddings=False)}
 [[instances]]
 name = "hot-0"
 pool = "hot"

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from talaria.cli.main import cli
 from tests.conftest import Server, living, start_server, wait_for
+from tests.served_models import synthetic_model_toml
 
 pytestmark = pytest.mark.slow
 
@@ -32,41 +33,8 @@ RECOVER_WITHIN_S = 60.0  # the group respawns its workers: a torch import per ra
 STOP_WITHIN_S = 30.0
 ORPHANS_GONE_WITHIN_S = 5.0
 
-SYNTHETIC_MODELS = """
-[[models]]
-name = "tiny-llama"
-source = "synthetic:"
-dtype = "float32"
-seed = 1
-
-[models.shape]
-family = "llama"
-hidden_size = 128
-intermediate_size = 256
-num_layers = 4
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 512
-max_position = 2048
-tie_word_embeddings = false
-
-[[models]]
-name = "tiny-qwen3"
-source = "synthetic:"
-dtype = "float32"
-seed = 2
-
-[models.shape]
-family = "qwen3"
-hidden_size = 128
-intermediate_size = 256
-num_layers = 4
-num_heads = 4
-num_kv_heads = 2
-vocab_size = 512
-max_position = 2048
-tie_word_embeddings = true
-
+SYNTHETIC_MODELS = (synthetic_model_toml(MODEL_OF[HOT], "llama", 1, tie_word_embeddings=False)
+                    + synthetic_model_toml(MODEL_OF[COLD], "qwen3", 2, tie_word_embeddings=True) + """
 [[instances]]
 name = "hot-0"
 pool = "hot"
@@ -80,7 +48,7 @@ pool = "cold"
 models = ["tiny-qwen3"]
 tp = 2
 arena_bytes = "64MiB"
-"""
+""")
 
 
 def tiny_config(directory: Path, api_key: str | None = None) -> Path:
