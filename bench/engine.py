@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from talaria.config.schema import InstanceConfig, ModelConfig, Pool, SyntheticShape
-from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
+from talaria.contracts.call import (
+    CallOutput,
+    FinishReason,
+    InstanceCall,
+    SamplingParams,
+)
 from talaria.executor.driver import Driver, start_driver
 from talaria.executor.executor import Executor
 from talaria.executor.parallel import TPGroup
@@ -125,6 +131,20 @@ def fresh_core(files: ModelFiles, instance: InstanceConfig = INSTANCE) -> Driver
     return start_driver(Executor(instance, [files], TPGroup(0, 1)))
 
 
+def stepped(core: Driver, outputs: list[CallOutput]) -> Iterator[tuple[float, CallOutput]]:
+    """Every output until `core` has no work: `outputs` (what adding the calls returned), then each
+    step's, each with the time.perf_counter() read as its batch arrived; a failed call raises."""
+    while True:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.finish is FinishReason.ERROR:
+                raise RuntimeError(f"talaria: request {out.request_id} failed: {out.error}")
+            yield now, out
+        if not core.has_work:
+            break
+        outputs = core.step()
+
+
 def serve(core: Driver, prompts: list[list[int]], max_tokens: int, model: str = MODEL.name) -> Served:
     """Submit all prompts at once and step the core until every request has finished."""
     ids = [f"r{i}" for i in range(len(prompts))]
@@ -134,20 +154,13 @@ def serve(core: Driver, prompts: list[list[int]], max_tokens: int, model: str = 
     for rid, prompt in zip(ids, prompts):
         submitted[rid] = time.perf_counter()
         outputs += core.add(InstanceCall(rid, model, tuple(prompt), sampling))
-    while True:
-        now = time.perf_counter()
-        for out in outputs:
-            if out.finish is FinishReason.ERROR:
-                raise RuntimeError(f"talaria: request {out.request_id} failed: {out.error}")
-            if out.token_ids:
-                first.setdefault(out.request_id, now)
-                last[out.request_id] = now
-                tokens[out.request_id] += out.token_ids
-            if out.usage is not None:
-                cached[out.request_id] = out.usage.cached_tokens
-        if not core.has_work:
-            break
-        outputs = core.step()
+    for now, out in stepped(core, outputs):
+        if out.token_ids:
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            tokens[out.request_id] += out.token_ids
+        if out.usage is not None:
+            cached[out.request_id] = out.usage.cached_tokens
     decoded = sum(len(t) for t in tokens.values()) - len(ids)
     window = max(last.values()) - min(first.values())
     return Served(ttft_s=tuple(first[r] - submitted[r] for r in ids),
