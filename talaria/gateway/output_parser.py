@@ -151,15 +151,9 @@ class OutputParser:
         if s is _State.START:
             return self._start(out, final)
         if s is _State.REASONING:
-            i = buf.find(END_THINK)
+            i = self._text_before(END_THINK, Reasoning, out)
             if i < 0:
-                keep = _held(buf, END_THINK)
-                if len(buf) > keep:
-                    out.append(Reasoning(buf[:len(buf) - keep]))
-                    self._buf = buf[len(buf) - keep:]
                 return False
-            if i:
-                out.append(Reasoning(buf[:i]))
             self._buf, self._state = buf[i + len(END_THINK):], _State.SKIP_SPACE
             return True
         if s is _State.SKIP_SPACE:
@@ -228,17 +222,26 @@ class OutputParser:
             out.append(Content(buf))
             self._buf = ""
             return False
-        i = buf.find(TOOL_CALL)
+        i = self._text_before(TOOL_CALL, Content, out)
         if i < 0:
-            keep = _held(buf, TOOL_CALL)
-            if len(buf) > keep:
-                out.append(Content(buf[:len(buf) - keep]))
-                self._buf = buf[len(buf) - keep:]
             return False
-        if i:
-            out.append(Content(buf[:i]))
         self._open_call(buf[i + len(TOOL_CALL):], TOOL_CALL)
         return True
+
+    def _text_before(self, tag: str, kind: type[Content | Reasoning], out: list[Event]) -> int:
+        """Emit the buffer up to `tag` as a `kind` event and return where `tag` starts; or, while it
+        has not arrived, emit all but a tail that may be its beginning (kept buffered) and return -1."""
+        buf = self._buf
+        i = buf.find(tag)
+        if i < 0:
+            keep = _held(buf, tag)
+            if len(buf) > keep:
+                out.append(kind(buf[:len(buf) - keep]))
+                self._buf = buf[len(buf) - keep:]
+            return -1
+        if i:
+            out.append(kind(buf[:i]))
+        return i
 
     def _scanner(self, depth: int = 0) -> ValueScanner:
         """Hermes calls end at their closing tag even when their JSON does not close."""
