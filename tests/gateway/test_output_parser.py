@@ -439,12 +439,12 @@ def test_corpus_is_large_enough_and_ids_are_unique():
     assert len(ids) == len(set(ids))
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_parse(case: Case):
     assert parse(case.text, case.tools, case.reasoning) == case.expected
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_whole_text_in_one_feed(case: Case):
     check_stream(case, stream(case, [case.text]))
 
