@@ -44,7 +44,7 @@ class ReferenceLlama:
             p = f"model.layers.{i}."
             h = self._norm(x, w[p + "input_layernorm.weight"])
 
-            def proj(name: str, heads: int) -> torch.Tensor:
+            def proj(name: str, heads: int, h: torch.Tensor = h, p: str = p) -> torch.Tensor:
                 y = h @ w[p + f"self_attn.{name}.weight"].T
                 if a.attention_bias:
                     y = y + w[p + f"self_attn.{name}.bias"]

@@ -17,8 +17,8 @@ from tests.executor.reference import ReferenceLlama
 from tests.tiny_models import GREEDY, engine, instance, run, tiny_files, tokens
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-SUBSTRATE = dict(pool=Pool.COLD, page_size=4, debug_poison=True, staging_chunk_bytes=4096,
-                 host_kv_bytes=8 << 20, ttft_s=3600.0)
+SUBSTRATE = {"pool": Pool.COLD, "page_size": 4, "debug_poison": True, "staging_chunk_bytes": 4096,
+             "host_kv_bytes": 8 << 20, "ttft_s": 3600.0}
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ from tests.tiny_models import (
 )
 
 PS = 4  # tokens per KV page
-SUBSTRATE = dict(pool=Pool.COLD, page_size=PS, debug_poison=True, staging_chunk_bytes=4096,
-                 host_kv_bytes=8 << 20, ttft_s=3600.0)
+SUBSTRATE = {"pool": Pool.COLD, "page_size": PS, "debug_poison": True, "staging_chunk_bytes": 4096,
+             "host_kv_bytes": 8 << 20, "ttft_s": 3600.0}
 
 
 @pytest.fixture(scope="module")

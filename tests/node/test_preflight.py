@@ -113,8 +113,8 @@ def test_unreadable_model_source_is_reported_with_the_model(monkeypatch: pytest.
     text = _minimal() + '\n[[models]]\nname = "x"\nsource = "/models/x"\n'
     with pytest.raises(ConfigError) as info:
         check_files(load_config(_write(tmp_path, text)))
-    assert info.value.problems == (f'{tmp_path / "talaria.toml"}: [[models]] "x": '
-                                   "model 'x': /models/x does not exist; fix the path",)
+    assert info.value.problems == ((f'{tmp_path / "talaria.toml"}: [[models]] "x": '
+                                    "model 'x': /models/x does not exist; fix the path"),)
 
 
 def test_cuda_instance_without_cuda_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
