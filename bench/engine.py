@@ -2,8 +2,11 @@
 
     python bench/engine.py [--json PATH] [--runs N] [--threads T] [--decode-tokens N]
 
-SmolLM2-135M-Instruct in float32 on the CPU, a real chat-templated prompt (the same token ids for
-every concurrent request, so HF needs no padding). Per run it measures:
+SmolLM2-135M-Instruct in float32 on the CPU, a real chat-templated prompt; concurrent requests are
+independent: request i's prompt differs from the others in its second token (`distinct`), so they
+share no KV page (identical prompts arriving together would compute their prompt once and decode
+it as a shared prefix, talaria/instance/batcher.py) and, all of one length, HF needs no padding.
+Per run it measures:
 
 * decode tokens/s at 1 and 8 concurrent requests, the first token of each request excluded (it is
   prefill) the same way for both engines: tokens after the first / (first token -> last token);
@@ -184,33 +187,24 @@ class StepClock(BaseStreamer):
         pass
 
 
-def hf_generate(model, prompt: list[int], batch: int, n: int) -> tuple[list[list[int]], StepClock]:
-    ids = torch.tensor([prompt] * batch)  # identical rows: no padding
+def hf_generate(model, prompts: list[list[int]], n: int) -> tuple[list[list[int]], StepClock]:
+    ids = torch.tensor(prompts)  # one length: no padding
     clock = StepClock()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
-    return out[:, len(prompt):].tolist(), clock
+    return out[:, ids.shape[1]:].tolist(), clock
 
 
-def hf_decode(model, prompt: list[int], batch: int, n: int) -> tuple[float, list[list[int]]]:
+def hf_decode(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
     """Decode tokens/s timed with a streamer: the window runs from the first generated token (put #1,
     after prefill) to the last, the same window and token count as Talaria's."""
-    tokens, clock = hf_generate(model, prompt, batch, n)
-    return batch * (n - 1) / (clock.times[-1] - clock.times[1]), tokens
+    tokens, clock = hf_generate(model, prompts, n)
+    return len(prompts) * (n - 1) / (clock.times[-1] - clock.times[1]), tokens
 
 
-def hf_decode_batch(model, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-    """`hf_decode` for distinct prompts of one length (no padding): decode tokens/s, the same window."""
-    ids = torch.tensor(prompts)
-    clock = StepClock()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
-    return len(prompts) * (n - 1) / (clock.times[-1] - clock.times[1]), out[:, ids.shape[1]:].tolist()
-
-
-def hf_ttft(model, prompt: list[int], batch: int) -> float:
+def hf_ttft(model, prompts: list[list[int]]) -> float:
     t0 = time.perf_counter()
-    hf_generate(model, prompt, batch, 1)
+    hf_generate(model, prompts, 1)
     return time.perf_counter() - t0
 
 
@@ -230,14 +224,14 @@ def one_run(files: ModelFiles, hf, prompt: list[int], prefix: list[int], tails: 
     row: dict = {}
     for c in CONCURRENCY:
         log(f"talaria decode, {c} concurrent, {n} tokens")
-        served = serve(fresh_core(files), [prompt] * c, n)
+        served = serve(fresh_core(files), distinct(prompt, c, hf.config.vocab_size), n)
         log(f"hf decode, {c} concurrent, {n} tokens")
-        hf_rate, hf_tokens = hf_decode(hf, prompt, c, n)
+        hf_rate, hf_tokens = hf_decode(hf, distinct(prompt, c, hf.config.vocab_size), n)
         log(f"hf ttft, {c} concurrent")
         row[f"talaria_decode_tok_s_{c}"] = served.decode_tok_s
         row[f"hf_decode_tok_s_{c}"] = hf_rate
         row[f"talaria_ttft_s_{c}"] = statistics.median(served.ttft_s)
-        row[f"hf_ttft_s_{c}"] = hf_ttft(hf, prompt, c)
+        row[f"hf_ttft_s_{c}"] = hf_ttft(hf, distinct(prompt, c, hf.config.vocab_size))
         row[f"talaria_cached_tokens_{c}"] = list(served.cached_tokens)
         row[f"greedy_agree_{c}"] = min(leading_agreement(t, h) for t, h in zip(served.tokens, hf_tokens))
     log(f"talaria prefill {len(prefix)}+{len(tails[0])} tokens, cold cache")
@@ -257,7 +251,7 @@ def one_run(files: ModelFiles, hf, prompt: list[int], prefix: list[int], tails: 
         raise RuntimeError(f"requests sharing the prefix reused {min(shared.cached_tokens)} cached tokens, "
                            f"expected at least {MIN_CACHED_ON_HIT}")
     log(f"hf decode, {len(prompts)} requests sharing the {len(prefix)}-token prefix")
-    hf_rate, hf_tokens = hf_decode_batch(hf, prompts, SHARED_DECODE_TOKENS)
+    hf_rate, hf_tokens = hf_decode(hf, prompts, SHARED_DECODE_TOKENS)
     row.update(talaria_shared_decode_tok_s=shared.decode_tok_s, hf_shared_decode_tok_s=hf_rate,
                talaria_shared_cached_tokens=min(shared.cached_tokens),
                ratio_shared_decode=shared.decode_tok_s / hf_rate,
@@ -274,9 +268,10 @@ def moe_run(files: ModelFiles, hf, prompt: list[int], n: int, log) -> dict:
     row: dict = {}
     for c in CONCURRENCY:
         log(f"moe: talaria decode, {c} concurrent, {n} tokens")
-        served = serve(fresh_core(files, MOE_INSTANCE), [prompt] * c, n, MOE_MODEL.name)
+        prompts = distinct(prompt, c, hf.config.vocab_size)
+        served = serve(fresh_core(files, MOE_INSTANCE), prompts, n, MOE_MODEL.name)
         log(f"moe: hf decode, {c} concurrent, {n} tokens")
-        hf_rate, hf_tokens = hf_decode(hf, prompt, c, n)
+        hf_rate, hf_tokens = hf_decode(hf, prompts, n)
         row[f"moe_talaria_decode_tok_s_{c}"] = served.decode_tok_s
         row[f"moe_hf_decode_tok_s_{c}"] = hf_rate
         row[f"moe_ratio_decode_{c}"] = served.decode_tok_s / hf_rate
@@ -285,6 +280,12 @@ def moe_run(files: ModelFiles, hf, prompt: list[int], n: int, log) -> dict:
 
 
 # ---- inputs, report ----------------------------------------------------------------------------
+
+def distinct(prompt: list[int], n: int, vocab: int) -> list[list[int]]:
+    """`n` prompts of `prompt`'s length that share no KV page: the i-th has its second token moved i
+    ids along (the first request's is `prompt` itself)."""
+    return [prompt[:1] + [(prompt[1] + i) % vocab] + prompt[2:] for i in range(n)]
+
 
 def shared_tails(tails: list[list[int]]) -> list[list[int]]:
     """SHARED_REQUESTS distinct tails of TAIL_TOKENS tokens: the two question tails, then rotations
@@ -359,10 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     moe_prompt = AutoTokenizer.from_pretrained(moe_files.directory)(QUESTION).input_ids  # one token per byte
     log(f"prompt {len(prompt)} tokens (MoE: {len(moe_prompt)}), prefix {len(prefix)}, tails {len(tails[0])}; "
         "warming up both engines")
-    serve(fresh_core(files), [prompt] * max(CONCURRENCY), 4)
-    hf_generate(hf, prompt, max(CONCURRENCY), 4)
-    serve(fresh_core(moe_files, MOE_INSTANCE), [moe_prompt] * max(CONCURRENCY), 4, MOE_MODEL.name)
-    hf_generate(moe_hf, moe_prompt, max(CONCURRENCY), 4)
+    warm, moe_warm = distinct(prompt, max(CONCURRENCY), hf.config.vocab_size), distinct(
+        moe_prompt, max(CONCURRENCY), moe_hf.config.vocab_size)
+    serve(fresh_core(files), warm, 4)
+    hf_generate(hf, warm, 4)
+    serve(fresh_core(moe_files, MOE_INSTANCE), moe_warm, 4, MOE_MODEL.name)
+    hf_generate(moe_hf, moe_warm, 4)
 
     runs = []
     for r in range(args.runs):

@@ -3,6 +3,10 @@
 Each step the batcher spends a token budget: one token for every decoding sequence (they are
 protected: prefill never delays them), then chunks of prompts still prefilling, then newly admitted
 prompts — so a long prompt advances chunk by chunk between decode steps instead of blocking them.
+A waiting prompt whose next uncached page another prompt is computing right now (agents started
+together with one system prompt) waits for that page to be cached rather than computing it beside
+its leader: the prefix is prefilled once, not once per request, and the followers' decode then
+shares its pages (talaria/executor/attention.py). Other prompts are admitted past it.
 When the KV pool cannot grow a decoding sequence, the newest running sequence is preempted: its
 pages are released (their published prefix stays cached) and it is recomputed later from its
 prompt plus the tokens it had generated, which greedy decoding reproduces exactly.
@@ -81,13 +85,33 @@ class Batcher:
         prefill = self.prefill_chunks([s for s in self.running if s.is_prefilling], budget)
         chunks += prefill
         budget -= sum(len(c.token_ids) for c in prefill)
-        while budget > 0 and self.waiting:
-            seq = self.waiting[0]
+        computing = self._computing()
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            if self._follows(seq, computing):
+                continue  # its next prompt page is being computed: admitted once it is cached
             if not self.admit(seq, now):
                 break  # FIFO: a prompt that does not fit yet holds the queue
             chunks.append(self.chunk(seq, budget, admitted=True))
             budget -= len(chunks[-1].token_ids)
+            computing.update(self._usable(seq)[seq.num_computed // self.pages.page_size:])
         return StepPlan(self.model, tuple(chunks)) if chunks else None
+
+    def _computing(self) -> set[int]:
+        """Hashes of the full prompt pages running sequences have still to compute."""
+        ps = self.pages.page_size
+        return {h for seq in self.running if seq.is_prefilling for h in self._usable(seq)[seq.num_computed // ps:]}
+
+    def _follows(self, seq: Sequence, computing: set[int]) -> bool:
+        """Whether the first page of `seq`'s prompt that is not cached is one a running sequence is
+        computing now (agents started together with the same system prompt): admitted later, it reads
+        that page from the prefix cache instead of computing it again beside its leader."""
+        if not computing:
+            return False
+        usable = self._usable(seq)
+        cached = len(self.pages.match_prefix(usable))
+        return cached < len(usable) and usable[cached] in computing
 
     @property
     def decoding(self) -> list[Sequence]:

@@ -8,6 +8,8 @@ every page table below is exact.
 
 from __future__ import annotations
 
+from collections import deque
+
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.contracts.step_plan import SeqChunk, StepPlan
 from talaria.instance.batcher import Batcher
@@ -217,6 +219,41 @@ def test_prefix_hit_at_admission_sets_num_computed_and_num_cached():
         SeqChunk(1, (30, 31, 32), 8, (0, 1, 2), True, prefix=(10, 11, 12, 13, 14, 15, 16, 17)))
     assert (bb.num_computed, bb.num_cached, b.prefix_hit_tokens) == (8, 8, 8)
     assert b.pages.num_free == 5
+
+
+def test_a_prompt_whose_prefix_another_is_computing_waits_for_it_and_others_go_past():
+    b = batcher(num_pages=16)
+    p = prompt(10, 10)
+    a, follower, other = seq(0, p), seq(1, p[:8] + [30, 31, 32]), seq(2, prompt(50, 5))
+    seqs = [a, follower, other]
+    for s in seqs:
+        b.add(s)
+    # the follower's first two pages are the leader's: it waits; the unrelated prompt behind it does not
+    assert step(b, seqs, {0: 99, 2: 98}) == plan_of(SeqChunk(0, tuple(p), 0, (0, 1, 2), True),
+                                                     SeqChunk(2, tuple(prompt(50, 5)), 0, (3, 4), True))
+    assert b.waiting == deque([follower])
+    # the leader's pages are cached now: the follower computes only its own tail
+    assert b.plan(0.0) == plan_of(SeqChunk(0, (99,), 10, (0, 1, 2), True, decode=True),
+                                  SeqChunk(2, (98,), 5, (3, 4), True, decode=True),
+                                  SeqChunk(1, (30, 31, 32), 8, (0, 1, 5), True, prefix=tuple(p[:8])))
+    assert (follower.num_cached, b.prefix_hit_tokens) == (8, 8)
+
+
+def test_a_follower_waits_until_a_chunked_leader_has_cached_the_whole_shared_prefix():
+    b = batcher(num_pages=16, max_batch_tokens=8)
+    p = prompt(10, 13)
+    a, follower = seq(0, p), seq(1, p)
+    seqs = [a, follower]
+    b.add(a)
+    b.add(follower)
+    assert step(b, seqs, {}) == plan_of(SeqChunk(0, tuple(p[:8]), 0, (0, 1, 2, 3), False))
+    # pages 0 and 1 are cached and 3 tokens of budget are left, but page 2, the follower's next, is
+    # still the leader's to compute
+    assert step(b, seqs, {0: 99}) == plan_of(SeqChunk(0, tuple(p[8:]), 8, (0, 1, 2, 3), True))
+    assert step(b, seqs, {0: 98, 1: 99}) == plan_of(
+        SeqChunk(0, (99,), 13, (0, 1, 2, 3), True, decode=True),
+        SeqChunk(1, (p[12],), 12, (0, 1, 2, 4), True, prefix=tuple(p[:12])))
+    assert follower.num_cached == 12 and follower.token_ids == p + [99]
 
 
 def test_fully_cached_prompt_still_computes_its_last_page():
