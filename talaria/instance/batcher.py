@@ -6,7 +6,12 @@ prompts — so a long prompt advances chunk by chunk between decode steps instea
 A waiting prompt whose next uncached page another prompt is computing right now (agents started
 together with one system prompt) waits for that page to be cached rather than computing it beside
 its leader: the prefix is prefilled once, not once per request, and the followers' decode then
-shares its pages (talaria/executor/attention.py). Other prompts are admitted past it.
+shares its pages (talaria/executor/attention.py). Other prompts are admitted past it. It matters
+when a step's budget holds more than the leader's prompt (otherwise FIFO chunking already admits the
+followers after the leader's pages are cached): 8 SmolLM2 requests with a 512-token common prefix
+and 64-token tails, arriving together with max_batch_tokens 1024, reached their first token in
+1.94 s against 2.99 s with the rule patched out (medians of 3 alternations, 2 threads). Hot
+instances plan here; a cold instance's P phase (round_scheduler.py) does not follow yet.
 When the KV pool cannot grow a decoding sequence, the newest running sequence is preempted: its
 pages are released (their published prefix stays cached) and it is recomputed later from its
 prompt plus the tokens it had generated, which greedy decoding reproduces exactly.
