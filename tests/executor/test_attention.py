@@ -115,9 +115,111 @@ def test_sequences_sharing_a_prefix_equal_each_sequence_alone(prefix_pages, tail
         keys.append(k)
         values.append(v)
     meta = AttentionMeta.build(StepPlan("m", tuple(chunks)), PAGE, num_pages, torch.device("cpu"))
-    assert (meta.decode.shared is not None) == (2 * prefix_pages >= max(len(c.page_table) for c in chunks))
+    assert len(meta.decodes) == 1  # one batch: shared or padded, never groups
+    assert (meta.decodes[0].shared is not None) == (2 * prefix_pages >= max(len(c.page_table) for c in chunks))
     q = torch.randn(len(tails), NH, HD, generator=gen, dtype=torch.float64)
     out = paged_attention(q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]),
                           k_cache, v_cache, meta, 1 / math.sqrt(HD))
     want = torch.stack([plain(q[b], keys[b], values[b]) for b in range(len(tails))])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+class Contexts:
+    """A NaN-poisoned layer cache, and contexts written into scattered pages of it; contexts extending
+    one prefix hold its pages, as a prompt reused through the prefix cache does."""
+
+    def __init__(self, gen: torch.Generator, num_pages: int = 96) -> None:
+        self.gen, self.null = gen, num_pages
+        self.data = torch.full((num_pages + 1, 2, 2, PAGE, NKV, HD), float("nan"), dtype=torch.float64)
+        self.data[num_pages].zero_()
+        self.k_cache, self.v_cache = self.data[:, 1, 0], self.data[:, 1, 1]
+        self.free = torch.randperm(num_pages, generator=gen).tolist()
+
+    def extend(self, prefix: tuple | None, tokens: int) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+        """(pages, k, v) of a context: `prefix`'s (whole pages) then `tokens` of its own on fresh pages."""
+        none = torch.empty(0, NKV, HD, dtype=torch.float64)
+        pages, k, v = prefix or ((), none, none)
+        own = tuple(self.free.pop() for _ in range(-(-tokens // PAGE)))
+        k = torch.cat((k, torch.randn(tokens, NKV, HD, generator=self.gen, dtype=torch.float64)))
+        v = torch.cat((v, torch.randn(tokens, NKV, HD, generator=self.gen, dtype=torch.float64)))
+        for j in range(tokens):
+            pos = len(pages) * PAGE + j
+            self.k_cache[own[j // PAGE], j % PAGE], self.v_cache[own[j // PAGE], j % PAGE] = k[pos], v[pos]
+        return pages + own, k, v
+
+
+def run_step(c: Contexts, seqs: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor, int]]):
+    """Step over `seqs` (pages, k, v, tokens this step: 1 decodes, more prefill the context's last ones)
+    -> (the step's metadata, paged output, per-sequence plain attention of every row)."""
+    chunks = tuple(SeqChunk(i, (0,) * n, len(k) - n, pages, sample=True, decode=n == 1)
+                   for i, (pages, k, _, n) in enumerate(seqs))
+    meta = AttentionMeta.build(StepPlan("m", chunks), PAGE, c.null, torch.device("cpu"))
+    rows = sum(n for *_, n in seqs)
+    q = torch.randn(rows, NH, HD, generator=c.gen, dtype=torch.float64)
+    k_new = torch.cat([k[len(k) - n:] for _, k, _, n in seqs])
+    v_new = torch.cat([v[len(v) - n:] for _, _, v, n in seqs])
+    before = c.data.clone()
+    out = paged_attention(q, k_new, v_new, c.k_cache, c.v_cache, meta, 1 / math.sqrt(HD))
+    assert torch.equal(c.data.isnan(), before.isnan())  # the cache itself is untouched
+    want, row = [], 0
+    for _, k, v, n in seqs:  # each row attends to its context up to itself
+        want += [plain(q[row + j], k[:len(k) - n + j + 1], v[:len(v) - n + j + 1]) for j in range(n)]
+        row += n
+    return meta, out, torch.stack(want)
+
+
+def batches(meta: AttentionMeta) -> list[tuple[list[int] | None, int]]:
+    """How the step's decoding sequences were batched: (their rows, pages read once) per batch."""
+    return [(None if d.rows is None else d.rows.tolist(), 0 if d.shared is None else len(d.shared))
+            for d in meta.decodes]
+
+
+def test_two_groups_sharing_different_prefixes_and_a_loner():
+    """Two agent kinds (different system prompts) decode in one batch with a sequence of its own:
+    each group reads its prefix once, the loner runs alone, every output lands on its row."""
+    c = Contexts(torch.Generator().manual_seed(11))
+    a, b = c.extend(None, 3 * PAGE), c.extend(None, 2 * PAGE)
+    seqs = [(*c.extend(a, 1), 1), (*c.extend(b, 3), 1), (*c.extend(None, 9), 1), (*c.extend(a, 2), 1),
+            (*c.extend(b, 5), 1), (*c.extend(a, 4), 1)]
+    meta, out, want = run_step(c, seqs)
+    assert batches(meta) == [([0, 3, 5], 3), ([1, 4], 2), ([2], 0)]
+    assert meta.decodes[2].ctx == 9  # the loner gathers exactly its context
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_three_groups_of_different_sizes_and_own_tails():
+    """Groups of 4, 2 and 3 sequences, own parts of one to three pages; one group's tails fill their
+    pages exactly (nothing to mask), the others' do not."""
+    c = Contexts(torch.Generator().manual_seed(12))
+    a, b, d = c.extend(None, 4 * PAGE), c.extend(None, 2 * PAGE), c.extend(None, 5 * PAGE)
+    specs = [(a, 1), (d, 2), (b, 4), (a, 5), (d, 7), (a, 9), (b, 4), (d, 1), (a, 3)]
+    seqs = [(*c.extend(p, t), 1) for p, t in specs]
+    meta, out, want = run_step(c, seqs)
+    assert batches(meta) == [([0, 3, 5, 8], 4), ([1, 4, 7], 5), ([2, 6], 2)]
+    assert meta.decodes[2].valid is None and meta.decodes[0].valid is not None
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_group_whose_prefix_is_too_short_runs_padded_beside_one_that_shares():
+    """A group sharing one page of 3-4 page contexts is not worth a shared part: its sequences join
+    the padded batch with the loner, while the group sharing three pages reads them once."""
+    c = Contexts(torch.Generator().manual_seed(13))
+    short, long = c.extend(None, PAGE), c.extend(None, 3 * PAGE)
+    seqs = [(*c.extend(short, 12), 1), (*c.extend(long, 2), 1), (*c.extend(short, 7), 1), (*c.extend(long, 3), 1),
+            (*c.extend(None, 6), 1), (*c.extend(long, 1), 1)]
+    meta, out, want = run_step(c, seqs)
+    assert batches(meta) == [([1, 3, 5], 3), ([0, 2, 4], 0)]
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_groups_among_prefill_chunks():
+    """Decoding groups mixed with a fresh prompt and a chunk after a cached prefix: each batch's rows
+    are its sequences' rows in the step, between the prefill rows."""
+    c = Contexts(torch.Generator().manual_seed(14))
+    a, b = c.extend(None, 3 * PAGE), c.extend(None, 4 * PAGE)
+    seqs = [(*c.extend(a, 2), 1), (*c.extend(None, 5), 5), (*c.extend(b, 1), 1), (*c.extend(a, 3), 1),
+            (*c.extend(None, 6), 1), (*c.extend(a, 7), 3), (*c.extend(b, 6), 1), (*c.extend(a, 4), 1)]
+    meta, out, want = run_step(c, seqs)
+    assert [(p.row, p.q_len, p.mask is None) for p in meta.prefills] == [(1, 5, True), (9, 3, False)]
+    assert batches(meta) == [([0, 7, 13], 3), ([6, 12], 4), ([8], 0)]
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
