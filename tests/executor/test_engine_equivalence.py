@@ -82,6 +82,30 @@ def test_calls_sharing_a_cached_prefix_decode_it_once_and_keep_tokens(model_cach
         assert tokens(outs[str(i)]) == expect(references(llama), p), f"call {i}"
 
 
+def test_groups_sharing_different_cached_prefixes_decode_together_and_keep_tokens(model_cache, references,
+                                                                                  monkeypatch):
+    """Two agent kinds (two cached prompts), four calls on each and one call of its own, decode in one
+    batch: each group reads its own prefix once (talaria/executor/attention.py), tokens as the reference."""
+    shared_parts = []  # per step: how many of its decode batches read a shared prefix once
+    original = attention._decode_batches
+
+    def spy(*args):
+        batches = original(*args)
+        shared_parts.append(sum(d.shared is not None for d in batches))
+        return batches
+    monkeypatch.setattr(attention, "_decode_batches", spy)
+    llama = tiny_files("llama", model_cache)
+    core = engine([llama], page_size=4)
+    prefixes = prompts(2, [24], seed=7)
+    run(core, [call(f"p{j}", llama.name, p) for j, p in enumerate(prefixes)])
+    ps = [prefix + tail for prefix in prefixes for tail in prompts(4, [1, 2, 3], seed=8)] + prompts(1, [9], seed=9)
+    outs = run(core, [call(str(i), llama.name, p) for i, p in enumerate(ps)])
+    assert max(shared_parts) == 2, "the two groups should have decoded in one step, each with its shared part"
+    for i, p in enumerate(ps):
+        assert outs[str(i)][-1].usage.cached_tokens >= (24 if i < 8 else 0)
+        assert tokens(outs[str(i)]) == expect(references(llama), p), f"call {i}"
+
+
 def test_chunked_prefill_advances_long_prompts_in_chunks(tiny, references):
     core = engine([tiny], max_batch_tokens=8)
     long_prompt, short = prompts(2, [61, 3], seed=3)
