@@ -10,7 +10,15 @@ import pytest
 
 from talaria.executor import attention
 from tests.executor.reference import ReferenceLlama
-from tests.tiny_models import GREEDY, arena_for_pages, call, engine, run, tiny_files, tokens
+from tests.tiny_models import (
+    GREEDY,
+    arena_for_pages,
+    call,
+    engine,
+    run,
+    tiny_files,
+    tokens,
+)
 
 
 def prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
@@ -103,6 +111,19 @@ def test_groups_sharing_different_cached_prefixes_decode_together_and_keep_token
     assert max(shared_parts) == 2, "the two groups should have decoded in one step, each with its shared part"
     for i, p in enumerate(ps):
         assert outs[str(i)][-1].usage.cached_tokens >= (24 if i < 8 else 0)
+        assert tokens(outs[str(i)]) == expect(references(llama), p), f"call {i}"
+
+
+def test_calls_started_together_on_one_prompt_prefix_compute_it_once(model_cache, references):
+    """Agents started together with one system prompt: the first computes it, the others wait a step
+    and read it from the prefix cache (talaria/instance/batcher.py), with the reference's tokens."""
+    llama = tiny_files("llama", model_cache)
+    core = engine([llama], page_size=4)  # a step's budget (64 tokens) holds two of these prompts
+    prefix = prompts(1, [24], seed=7)[0]
+    ps = [prefix + tail for tail in prompts(4, [1, 2, 3], seed=8)]
+    outs = run(core, [call(str(i), llama.name, p) for i, p in enumerate(ps)])
+    assert [outs[str(i)][-1].usage.cached_tokens for i in range(4)] == [0, 24, 24, 24]
+    for i, p in enumerate(ps):
         assert tokens(outs[str(i)]) == expect(references(llama), p), f"call {i}"
 
 
