@@ -83,7 +83,9 @@ class HealthProbe:
         lat = sorted(self.latencies)
         assert len(lat) > 20, "the probe must have run throughout"
         p99 = lat[int(0.99 * (len(lat) - 1))]
-        assert p99 < 0.1 and lat[-1] < 1.0, f"/health p99 {p99 * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms"
+        # a loop blocked by a stopped rank answers only when the rank resumes (STOPPED_S later); the
+        # gateway's own work on 200 calls arriving at once has taken up to 1.04 s on a loaded 2-core machine
+        assert p99 < 0.1 and lat[-1] < STOPPED_S * 2 / 3, f"/health p99 {p99 * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms"
 
 
 @dataclass
