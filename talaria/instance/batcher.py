@@ -91,13 +91,16 @@ class Batcher:
         chunks += prefill
         budget -= sum(len(c.token_ids) for c in prefill)
         computing = self._computing()
+        held_seqs = held_pages = 0  # the running slots and pages the followers passed over will take
         for seq in list(self.waiting):
             if budget <= 0:
                 break
-            if self._follows(seq, computing):
-                continue  # its next prompt page is being computed: admitted once it is cached
-            if not self.admit(seq, now):
-                break  # FIFO: a prompt that does not fit yet holds the queue
+            need = self._following(seq, computing)
+            if need is not None:  # its next prompt page is being computed: admitted once it is cached
+                held_seqs, held_pages = held_seqs + 1, held_pages + need
+                continue
+            if not self.admit(seq, now, held_seqs, held_pages):
+                break  # FIFO: a prompt that does not fit yet holds the queue (and takes no follower's room)
             chunks.append(self.chunk(seq, budget, admitted=True))
             budget -= len(chunks[-1].token_ids)
             computing.update(self._usable(seq)[seq.num_computed // self.pages.page_size:])
@@ -108,15 +111,21 @@ class Batcher:
         ps = self.pages.page_size
         return {h for seq in self.running if seq.is_prefilling for h in self._usable(seq)[seq.num_computed // ps:]}
 
-    def _follows(self, seq: Sequence, computing: set[int]) -> bool:
-        """Whether the first page of `seq`'s prompt that is not cached is one a running sequence is
-        computing now (agents started together with the same system prompt): admitted later, it reads
-        that page from the prefix cache instead of computing it again beside its leader."""
+    def _following(self, seq: Sequence, computing: set[int]) -> int | None:
+        """When the first page of `seq`'s prompt that is not cached is one a running sequence is
+        computing now (agents started together with the same system prompt), the fresh pages `seq`
+        will need once those are cached: admitted then, it reads them from the prefix cache instead
+        of computing them again beside its leader. None when it follows no one."""
         if not computing:
-            return False
+            return None
         usable = self._usable(seq)
         cached = len(self.pages.match_prefix(usable))
-        return cached < len(usable) and usable[cached] in computing
+        if cached == len(usable) or usable[cached] not in computing:
+            return None
+        shared = cached
+        while shared < len(usable) and usable[shared] in computing:
+            shared += 1
+        return self.pages.pages_for(len(seq.token_ids)) - shared
 
     @property
     def decoding(self) -> list[Sequence]:
@@ -182,17 +191,19 @@ class Batcher:
         # keep at least one token to compute: the step must produce logits for the next token
         return self._hash_chain(seq)[: (len(seq.token_ids) - 1) // self.pages.page_size]
 
-    def admit(self, seq: Sequence, now: float) -> bool:
+    def admit(self, seq: Sequence, now: float, held_seqs: int = 0, held_pages: int = 0) -> bool:
         """Take a waiting sequence into the running set: prefix hits, host restores, fresh pages.
 
-        False (and nothing changes) when the pool cannot hold its prompt yet or max_running is reached."""
-        if len(self.running) >= self.max_running:
+        False (and nothing changes) when the pool cannot hold its prompt yet or max_running is reached,
+        counting `held_seqs` more running and `held_pages` fewer free (what earlier waiting sequences
+        passed over will take)."""
+        if len(self.running) + held_seqs >= self.max_running:
             return False
         usable = self._usable(seq)
         cached = self.pages.match_prefix(usable)
         newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
         need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
-        if need + newly_referenced > self.pages.num_free:
+        if need + newly_referenced + held_pages > self.pages.num_free:
             return False
         self.pages.acquire(cached)
         fresh = self.pages.allocate(need)
