@@ -24,9 +24,10 @@ them is an option, so nothing can be tuned to a result.
    saturated one; a prediction for the machine the runs actually had is the live-corrected one.
    These are mechanism costs (step times), never outcomes (profiles/README.md).
 4. **Fitted** (from run 4, registered 2026-12-02 before it ran). The live instances record every
-   step (`record_steps`: what it measured and what the profile alone priced its prefill and decode
-   parts at), and per model a non-negative least-squares fit over all runs' steps gives
-   measured = a_p x priced prefill + a_d x priced decode + b for each part the step has. The
+   step (`record_steps`: what it measured and what the profile alone priced its prompt chunks, host
+   KV restores and decode chunks at), and per model a non-negative least-squares fit over all runs'
+   steps gives measured - priced restores = a_p x priced prefill + a_d x priced decode + b for each
+   part the step has (from run 6: runs 4 and 5 fitted restores inside the prefill part). The
    simulator runs once more on the profile whose curves are scaled by a_p and a_d with b added to
    both fixed costs ("live-fitted"). Why: run 3's live-corrected prediction scaled whole curves by
    a mean ratio, which the frequent small steps dominate; a per-step cost of the serving loop
@@ -130,7 +131,7 @@ def live_run(label: str, sp: bool, trace: list[TraceCall], profile: Path, workdi
     events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
     summary = {"label": label, "sp": sp, "code": code, **run_summary(result, events), "cost_scale_mean": scales,
                "load_average": {"start": load_start, "end": os.getloadavg()[0]}}
-    steps = [Step(e["model"], e["priced_prefill_s"], e["priced_decode_s"], e["seconds"])
+    steps = [Step(e["model"], e["priced_prefill_s"], e["priced_decode_s"], e["seconds"], e["priced_restore_s"])
              for e in events if e["kind"] == "step" and not e.get("switch")]
     summary["steps"] = len(steps)
     log(f"{label}: SCT sum {summary['sct_sum_s']:.1f} s, {summary['sp_admissions']} SP admissions, "
@@ -221,12 +222,13 @@ def corrected(profile: Profile, runs: list[dict]) -> tuple[Profile, dict[str, fl
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One live engine step: what the profile alone priced its two parts at, and what it took."""
+    """One live engine step: what the profile alone priced its parts at, and what it took."""
 
     model: str
-    priced_prefill_s: float  # prompt chunks and host KV restores (`Profile.step_parts`)
+    priced_prefill_s: float  # prompt chunks (`Profile.step_parts`' prefill part less its restores)
     priced_decode_s: float
     seconds: float
+    priced_restore_s: float = 0.0  # host KV restores: kept at the profile's price, not fitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,21 +244,29 @@ class StepFit:
 
 
 def fit_steps(steps: list[Step]) -> StepFit:
-    """Non-negative least squares over one model's steps (three coefficients: every subset of them
-    solved unconstrained, the best one with no negative coefficient kept)."""
+    """Non-negative least squares over one model's steps, of their time less their restores' price
+    (three coefficients: every subset solved unconstrained, the best one with none negative kept).
+    A coefficient whose part too few steps have (fewer than the coefficients) is not fitted: a scale
+    stays 1, the per-part cost 0."""
     x = np.array([[s.priced_prefill_s, s.priced_decode_s, (s.priced_prefill_s > 0) + (s.priced_decode_s > 0)]
-                  for s in steps], dtype=float)
-    y = np.array([s.seconds for s in steps], dtype=float)
-    best, best_sse = np.zeros(3), float(y @ y)
-    for cols in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
+                  for s in steps], dtype=float).reshape(-1, 3)
+    y = np.array([s.seconds - s.priced_restore_s for s in steps], dtype=float)
+    fixed = np.array([1.0, 1.0, 0.0])
+    free = [j for j in range(3) if np.count_nonzero(x[:, j]) >= 3]
+    for j in range(3):
+        if j not in free:
+            y = y - fixed[j] * x[:, j]
+    best, best_sse = np.where(np.isin(np.arange(3), free), 0.0, fixed), float(y @ y)
+    for cols in itertools.chain.from_iterable(itertools.combinations(free, k) for k in range(1, len(free) + 1)):
         coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
         if (coef < 0).any():
             continue
         sse = float(((x[:, cols] @ coef - y) ** 2).sum())
         if sse < best_sse:
-            best, best_sse = np.zeros(3), sse
+            best_sse = sse
+            best = np.where(np.isin(np.arange(3), free), 0.0, fixed)
             best[list(cols)] = coef
-    sst = float(((y - y.mean()) ** 2).sum())
+    sst = float(((y - y.mean()) ** 2).sum()) if len(y) else 0.0
     return StepFit(float(best[0]), float(best[1]), float(best[2]), len(steps), 1 - best_sse / sst if sst else 1.0)
 
 
@@ -266,7 +276,7 @@ def fitted(profile: Profile, steps: list[Step]) -> tuple[Profile, dict[str, Step
     to both fixed costs (`base_s`), which a step pays once per part, as the fit does. What a
     multiplicative correction cannot express: a per-step cost of the serving loop (scheduling,
     sampling, the pipe), which a ratio would spread over every token and so overprice large steps.
-    Host KV restores stay priced from the profile's bandwidth."""
+    Host KV restores stay priced from the profile's bandwidth, as the fit takes them."""
     fits = {name: fit_steps([s for s in steps if s.model == name]) for name in profile.models
             if any(s.model == name for s in steps)}
     models = dict(profile.models)

@@ -49,7 +49,8 @@ def test_the_fit_recovers_a_per_part_cost_and_each_parts_scale(sp) -> None:
 
 def test_the_fit_keeps_every_coefficient_non_negative(sp) -> None:
     # steps that take the same time whatever their price: a constant, no scale
-    steps = [sp.Step("m", p, d, 0.005) for p, d in ((0.001, 0.0), (0.01, 0.0), (0.0, 0.002), (0.0, 0.02))]
+    steps = [sp.Step("m", p, d, 0.005) for p, d in ((0.001, 0.0), (0.01, 0.0), (0.02, 0.0), (0.0, 0.002),
+                                                     (0.0, 0.02), (0.0, 0.03))]
     f = sp.fit_steps(steps)
     assert min(f.prefill, f.decode, f.per_part_s) >= 0
     assert f.per_part_s == pytest.approx(0.005) and f.prefill == pytest.approx(0, abs=1e-12)
@@ -75,3 +76,15 @@ def test_the_fitted_profile_prices_steps_as_the_fit_does(sp) -> None:
         measured(p, d, 1.3, 2.1, 0.0007))
     other = next(m for m in profile.models if m != name)
     assert fitted.models[other] == profile.models[other]  # a model without live steps keeps its curves
+
+
+def test_restores_are_taken_at_the_profiles_price_and_thin_parts_are_not_fitted(sp) -> None:
+    steps = [sp.Step(s.model, s.priced_prefill_s, s.priced_decode_s, s.seconds + r, r)
+             for s, r in zip(steps_of(sp, "m", 1.3, 2.1, 0.0007), [0.0, 0.004, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0, 0.002])]
+    f = sp.fit_steps(steps)  # the restores' time is what the profile priced: the fit is exact again
+    assert (f.prefill, f.decode, f.per_part_s) == pytest.approx((1.3, 2.1, 0.0007), rel=1e-9)
+    # decode in only two steps: its scale is not fitted and stays 1
+    thin = [sp.Step("m", p, d, measured(p, d, 1.3, 1.0, 0.0007))
+            for p, d in ((0.002, 0.0), (0.01, 0.0), (0.04, 0.0), (0.003, 0.002), (0.0, 0.004))]
+    f = sp.fit_steps(thin)
+    assert (f.prefill, f.decode, f.per_part_s) == pytest.approx((1.3, 1.0, 0.0007), rel=1e-9)

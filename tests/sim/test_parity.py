@@ -71,12 +71,12 @@ def test_the_simulator_replays_a_live_run_with_the_same_decisions(model_cache):
     for kind in live:
         assert sim[kind] == live[kind], kind
     # each step record carries the profile's price of its plan (what bench/sp.py fits live steps against):
-    # the same plans, so the same prices in both runs, and both parts occur
+    # the same plans, so the same prices in both runs, and every part occurs
     priced_live, priced_sim = priced_steps(events, config.name), priced_steps(simulated, config.name)
     assert priced_live == priced_sim
-    assert any(p > 0 for p, _ in priced_live) and any(d > 0 for _, d in priced_live)
+    assert all(any(part > 0 for part in parts) for parts in zip(*priced_live))  # prompt, restore and decode parts
 
 
-def priced_steps(events, instance: str) -> list[tuple[float, float]]:
-    return [(e.data["priced_prefill_s"], e.data["priced_decode_s"]) for e in events
+def priced_steps(events, instance: str) -> list[tuple[float, float, float]]:
+    return [(e.data["priced_prefill_s"], e.data["priced_restore_s"], e.data["priced_decode_s"]) for e in events
             if e.instance == instance and e.kind is EventKind.STEP and not e.data.get("switch")]
