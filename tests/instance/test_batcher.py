@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
+
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.contracts.step_plan import SeqChunk, StepPlan
 from talaria.instance.batcher import Batcher
@@ -256,31 +258,19 @@ def test_a_follower_waits_until_a_chunked_leader_has_cached_the_whole_shared_pre
     assert follower.num_cached == 12 and follower.token_ids == p + [99]
 
 
-def test_a_follower_keeps_its_running_slot_against_prompts_that_arrived_after_it():
-    b = batcher(num_pages=16, max_running=2)
+@pytest.mark.parametrize("pool, later_len", [
+    ({"num_pages": 16, "max_running": 2}, 5),  # the second running slot is the follower's
+    ({"num_pages": 6}, 8),  # 2 pages free beside the leader's 4: the follower will need 1, the later prompt 2
+], ids=["running-slot", "pages"])
+def test_a_follower_keeps_its_room_against_prompts_that_arrived_after_it(pool, later_len):
+    b = batcher(**pool)
     p = prompt(10, 13)
-    leader, follower, later = seq(0, p), seq(1, p[:12] + [40, 41]), seq(2, prompt(60, 5))
+    leader, follower, later = seq(0, p), seq(1, p[:12] + [40, 41]), seq(2, prompt(60, later_len))
     seqs = [leader, follower, later]
     for s in seqs:
         b.add(s)
-    # the follower waits for the leader's pages; the second running slot stays its own
     assert step(b, seqs, {0: 99}) == plan_of(SeqChunk(0, tuple(p), 0, (0, 1, 2, 3), True))
     assert b.waiting == deque([follower, later])
-    assert step(b, seqs, {0: 98, 1: 97}) == plan_of(
-        SeqChunk(0, (99,), 13, (0, 1, 2, 3), True, decode=True),
-        SeqChunk(1, (40, 41), 12, (0, 1, 2, 4), True, prefix=tuple(p[:12])))
-    assert b.waiting == deque([later])
-
-
-def test_a_follower_keeps_the_pages_it_will_need_against_prompts_that_arrived_after_it():
-    b = batcher(num_pages=6)
-    p = prompt(10, 13)
-    leader, follower, later = seq(0, p), seq(1, p[:12] + [40, 41]), seq(2, prompt(60, 8))
-    seqs = [leader, follower, later]
-    for s in seqs:
-        b.add(s)
-    # 2 pages are free beside the leader's 4: the follower will need 1, so the later prompt's 2 must wait
-    assert step(b, seqs, {0: 99}) == plan_of(SeqChunk(0, tuple(p), 0, (0, 1, 2, 3), True))
     assert step(b, seqs, {0: 98, 1: 97}) == plan_of(
         SeqChunk(0, (99,), 13, (0, 1, 2, 3), True, decode=True),
         SeqChunk(1, (40, 41), 12, (0, 1, 2, 4), True, prefix=tuple(p[:12])))
