@@ -74,8 +74,8 @@ def main() -> int:
     ap.add_argument("--sp-batch", choices=[b.value for b in SpBatch], default=None)
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",")]
-    if variants[0] != "talaria":
-        ap.error("--variants must start with talaria")
+    if variants[0] != "talaria" or len(variants) < 2:
+        ap.error("--variants must start with talaria and name at least one variant to compare it with")
     log = ProgressLog()
     load = os.getloadavg()[0]
     cells = []
