@@ -70,7 +70,6 @@ from talaria.trace.generate import PAPER_TP8_MODELS
 ROOT = Path(__file__).resolve().parents[1]
 MOONCAKE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
 MOONCAKE_SESSIONS = 300
-TTFT_S, TPOT_S, GAMMA = 10.0, 0.2, 0.8  # `talaria sim`'s defaults for the profile's topology
 TOLERANCE = 1.02  # a kept policy is worse nowhere by more than 2 % (issue 20)
 BASELINE = "paper"
 POLICIES = {BASELINE: (), "adaptive-tau": ("router.lease_policy=adaptive",)}
@@ -137,7 +136,7 @@ def run_cell(shape: str, seed: int, instances: int, policies: dict[str, tuple[st
     _, profile_name, _ = SHAPES[shape]
     profile = load_profile(ROOT / "profiles" / f"{profile_name}.toml")
     trace, command = shape_trace(shape, seed, tmp)
-    base = profile_topology(profile, TTFT_S, TPOT_S, GAMMA, instances)
+    base = profile_topology(profile, instances=instances)
     results = {name: summary(Simulation(with_options(base, opts), profile, trace).run())
                for name, opts in policies.items()}
     paper = results[BASELINE]

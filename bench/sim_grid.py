@@ -43,7 +43,6 @@ from talaria.trace.generate import generate, preset
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1.02  # Talaria may be at most 2 % worse than a comparison (issue 20)
-TPOT_S, GAMMA = 0.2, 0.8  # `talaria sim`'s defaults for the profile's topology
 
 
 def run_cell(seed: int, ttft_s: float, intercept: str, variants: list[str], sp_batch: SpBatch | None = None) -> dict:
@@ -51,7 +50,7 @@ def run_cell(seed: int, ttft_s: float, intercept: str, variants: list[str], sp_b
     if intercept != "profile":
         profile = profile.with_prefill_base(float(intercept))
     trace = list(generate(preset("paper-tp8"), random.Random(seed)).calls)
-    config = profile_topology(profile, ttft_s, TPOT_S, GAMMA)
+    config = profile_topology(profile, ttft_s)
     if sp_batch is not None:
         config = dataclasses.replace(config, instances=tuple(dataclasses.replace(i, sp_batch=sp_batch)
                                                              for i in config.instances))

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from talaria.sim import TOPOLOGY_GAMMA, TOPOLOGY_TPOT_S, TOPOLOGY_TTFT_S
+
 
 @click.command()
 @click.option("--profile", "profile_paths", required=True, multiple=True,
@@ -21,10 +23,12 @@ import click
 @click.option("--compare", default="talaria", show_default=True,
               help="Comma-separated variants: talaria, no-sp, no-hkvr, h2d-only, round-only, and router "
                    "policies full, session-sticky, least-pressure.")
-@click.option("--ttft-s", type=float, default=10.0, show_default=True,
+@click.option("--ttft-s", type=float, default=TOPOLOGY_TTFT_S, show_default=True,
               help="Without --config: the cold instance's TTFT target (10 s: the only figure the paper states).")
-@click.option("--tpot-s", type=float, default=0.2, show_default=True, help="Without --config: TPOT target.")
-@click.option("--gamma", type=float, default=0.8, show_default=True, help="Without --config: round margin.")
+@click.option("--tpot-s", type=float, default=TOPOLOGY_TPOT_S, show_default=True,
+              help="Without --config: TPOT target.")
+@click.option("--gamma", type=float, default=TOPOLOGY_GAMMA, show_default=True,
+              help="Without --config: round margin.")
 @click.option("--instances", type=click.IntRange(1), default=1, show_default=True,
               help="Without --config: identical cold instances (paper-tp4: 2 workers).")
 @click.option("--lease-s", type=float, help="Override [router] lease_s (tau) for every variant.")

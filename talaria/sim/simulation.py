@@ -28,6 +28,7 @@ from talaria.contracts.trace import TraceCall, sessions
 from talaria.routing.decision import RouteRequest
 from talaria.routing.instance_view import InstanceView
 from talaria.routing.router import Router
+from talaria.sim import TOPOLOGY_GAMMA, TOPOLOGY_TPOT_S, TOPOLOGY_TTFT_S
 from talaria.sim.instance import SimInstance
 from talaria.sim.loop import EventLoop, VirtualClock
 
@@ -257,7 +258,8 @@ def host_kv_per_rank(profile: Profile) -> int:
     return (profile.host_bytes - images) // profile.tp
 
 
-def profile_topology(profile: Profile, ttft_s: float, tpot_s: float, gamma: float, instances: int = 1) -> TalariaConfig:
+def profile_topology(profile: Profile, ttft_s: float = TOPOLOGY_TTFT_S, tpot_s: float = TOPOLOGY_TPOT_S,
+                     gamma: float = TOPOLOGY_GAMMA, instances: int = 1) -> TalariaConfig:
     """The profile's own node: `instances` cold instances over every model, sized from the profile
     (80% of device memory for the managed arena, paper App. E; host KV per rank: `host_kv_per_rank`)."""
     from talaria.config.schema import Device, ModelConfig, Overload, Pool, RouterConfig
