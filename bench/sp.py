@@ -74,7 +74,7 @@ from server import start_server, stop_server, wait_healthy  # bench/server.py
 
 from talaria.cli.replay_cmd import replay_sessions
 from talaria.config.loader import load_config
-from talaria.contracts.profile import Profile
+from talaria.contracts.profile import ModelProfile, Profile
 from talaria.contracts.profile_file import load_profile
 from talaria.contracts.trace import TraceCall
 from talaria.replay import ReplayResult, percentile, replay
@@ -203,20 +203,26 @@ def simulate(trace: list[TraceCall], profile: Profile, profile_path: Path, workd
     return out
 
 
+def rescaled(mp: ModelProfile, prefill: float, decode: float, per_part_s: float = 0.0) -> ModelProfile:
+    """`mp` with its prefill curve scaled by `prefill`, its decode curve by `decode`, and `per_part_s`
+    added to each curve's fixed cost."""
+    p, d = mp.prefill, mp.decode
+    return dataclasses.replace(
+        mp,
+        prefill=dataclasses.replace(p, base_s=p.base_s * prefill + per_part_s, per_token_s=p.per_token_s * prefill,
+                                    per_token_context_s=p.per_token_context_s * prefill),
+        decode=dataclasses.replace(d, base_s=d.base_s * decode + per_part_s, per_seq_s=d.per_seq_s * decode,
+                                   per_context_token_s=d.per_context_token_s * decode))
+
+
 def corrected(profile: Profile, runs: list[dict]) -> tuple[Profile, dict[str, float]]:
     """The profile with each model's prefill and decode curves scaled by the mean correction the
     live runs measured (over all runs, SP on and off alike: one machine, one set of costs)."""
     keys = {k for r in runs for k in r["cost_scale_mean"]}
     scale = {k: statistics.fmean(r["cost_scale_mean"][k] for r in runs if k in r["cost_scale_mean"])
              for k in sorted(keys)}
-    models = {}
-    for name, mp in profile.models.items():
-        p, d = scale.get(f"{name}/prefill", 1.0), scale.get(f"{name}/decode", 1.0)
-        prefill = dataclasses.replace(mp.prefill, base_s=mp.prefill.base_s * p, per_token_s=mp.prefill.per_token_s * p,
-                                      per_token_context_s=mp.prefill.per_token_context_s * p)
-        decode = dataclasses.replace(mp.decode, base_s=mp.decode.base_s * d, per_seq_s=mp.decode.per_seq_s * d,
-                                     per_context_token_s=mp.decode.per_context_token_s * d)
-        models[name] = dataclasses.replace(mp, prefill=prefill, decode=decode)
+    models = {name: rescaled(mp, scale.get(f"{name}/prefill", 1.0), scale.get(f"{name}/decode", 1.0))
+              for name, mp in profile.models.items()}
     return dataclasses.replace(profile, models=models, method=profile.method + ", scaled by live corrections"), scale
 
 
@@ -279,16 +285,8 @@ def fitted(profile: Profile, steps: list[Step]) -> tuple[Profile, dict[str, Step
     Host KV restores stay priced from the profile's bandwidth, as the fit takes them."""
     fits = {name: fit_steps([s for s in steps if s.model == name]) for name in profile.models
             if any(s.model == name for s in steps)}
-    models = dict(profile.models)
-    for name, f in fits.items():
-        mp = models[name]
-        prefill = dataclasses.replace(mp.prefill, base_s=mp.prefill.base_s * f.prefill + f.per_part_s,
-                                      per_token_s=mp.prefill.per_token_s * f.prefill,
-                                      per_token_context_s=mp.prefill.per_token_context_s * f.prefill)
-        decode = dataclasses.replace(mp.decode, base_s=mp.decode.base_s * f.decode + f.per_part_s,
-                                     per_seq_s=mp.decode.per_seq_s * f.decode,
-                                     per_context_token_s=mp.decode.per_context_token_s * f.decode)
-        models[name] = dataclasses.replace(mp, prefill=prefill, decode=decode)
+    models = {**profile.models, **{name: rescaled(profile.models[name], f.prefill, f.decode, f.per_part_s)
+                                   for name, f in fits.items()}}
     return dataclasses.replace(profile, models=models, method=profile.method + ", fitted to live steps"), fits
 
 
