@@ -90,7 +90,7 @@ class Batcher:
         prefill = self.prefill_chunks([s for s in self.running if s.is_prefilling], budget)
         chunks += prefill
         budget -= sum(len(c.token_ids) for c in prefill)
-        computing = self._computing()
+        computing = self._computing() if self.waiting and budget > 0 else set()  # nothing to admit: no scan
         held_seqs = held_pages = 0  # the running slots and pages the followers passed over will take
         for seq in list(self.waiting):
             if budget <= 0:
