@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from talaria.config.schema import Overload, RouterConfig
+from talaria.config.schema import Overload, ReplicaGain, RouterConfig
 from talaria.contracts.events import EventKind
 from talaria.contracts.telemetry import InstanceStats
 from talaria.routing.costs import LOCATIONS, MISSING, Cost, PlacementCosts
@@ -129,10 +129,13 @@ class Router:
         return decision
 
     def arrived(self, req: RouteRequest) -> None:
-        """A call arrived: its prompt joins the model's mean (what each call queued ahead is charged)."""
+        """A call arrived: its prompt joins the model's mean (what each call queued ahead is charged),
+        and with `replica_gain = "window"` its time the model's arrival rate (`window_calls`)."""
         means = self._mean_prompt
         m = means.get(req.model)
         means[req.model] = req.prompt_tokens if m is None else 0.9 * m + 0.1 * req.prompt_tokens
+        if self.config.replica_gain is not ReplicaGain.WINDOW:
+            return
         now = self.clock()
         last, gap = self._arrivals.get(req.model, (None, None))
         if last is not None:
