@@ -231,7 +231,7 @@ class Step:
     """One live engine step: what the profile alone priced its parts at, and what it took."""
 
     model: str
-    priced_prefill_s: float  # prompt chunks (`Profile.step_parts`' prefill part less its restores)
+    priced_prefill_s: float  # prompt chunks (`Profile.step_parts`' prefill part)
     priced_decode_s: float
     seconds: float
     priced_restore_s: float = 0.0  # host KV restores: kept at the profile's price, not fitted

@@ -143,11 +143,11 @@ class Profile:
         """Copying `tokens` tokens of KV from the device to host memory."""
         return tokens * self.model(model).kv_bytes_per_token / self.bandwidth.d2h_bytes_per_s
 
-    def step_parts(self, plan: StepPlan, page_size: int) -> tuple[float, float]:
-        """(prefill and restore seconds, decode seconds) of one engine step: its prompt chunks as one
-        batched prefill (the fixed cost once, then each chunk's own), its decode chunks as one decode
-        step, and its host KV restores (`page_size` tokens each) before the forward."""
-        prefill, decode, context, first = 0.0, 0, 0, True
+    def step_parts(self, plan: StepPlan, page_size: int) -> tuple[float, float, float]:
+        """(prefill, restore, decode) seconds of one engine step: its prompt chunks as one batched
+        prefill (the fixed cost once, then each chunk's own), its host KV restores (`page_size` tokens
+        each) before the forward, and its decode chunks as one decode step."""
+        prefill, restore, decode, context, first = 0.0, 0.0, 0, 0, True
         for c in plan.chunks:
             if c.decode:
                 decode += 1
@@ -156,13 +156,12 @@ class Profile:
                 prefill += self.prefill_s(plan.model, len(c.token_ids), c.start_pos, batched=not first)
                 first = False
         if plan.ops is not None and plan.ops.restores:
-            prefill += self.restore_s(plan.model, len(plan.ops.restores) * page_size)
-        return prefill, self.decode_s(plan.model, decode, context)
+            restore = self.restore_s(plan.model, len(plan.ops.restores) * page_size)
+        return prefill, restore, self.decode_s(plan.model, decode, context)
 
     def step_s(self, plan: StepPlan, page_size: int) -> float:
         """Seconds of one engine step (see `step_parts`)."""
-        prefill, decode = self.step_parts(plan, page_size)
-        return prefill + decode
+        return sum(self.step_parts(plan, page_size))
 
     def switch_phases(self, model: str, coverage: float = 0.0) -> tuple[float, ...]:
         """Seconds of each phase (PHASE_NAMES) of opening `model` with `coverage` of its weight bytes

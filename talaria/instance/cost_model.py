@@ -42,9 +42,10 @@ class CostModel:
         return self.profile.restore_s(model, tokens) * self.scale(model, "prefill")
 
     def step_s(self, plan: StepPlan) -> float:
-        """One engine step as the profile prices it (`Profile.step_parts`), each part corrected."""
-        prefill, decode = self.profile.step_parts(plan, self.page_size)
-        return prefill * self.scale(plan.model, "prefill") + decode * self.scale(plan.model, "decode")
+        """One engine step as the profile prices it (`Profile.step_parts`), each part corrected
+        (restores with prefill, as `restore_s`)."""
+        prefill, restore, decode = self.profile.step_parts(plan, self.page_size)
+        return (prefill + restore) * self.scale(plan.model, "prefill") + decode * self.scale(plan.model, "decode")
 
     def switch_s(self, model: str, coverage: float = 0.0) -> float:
         path = SwitchPath.for_coverage(coverage)

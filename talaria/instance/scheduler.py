@@ -204,12 +204,9 @@ class Scheduler:
                reports: list[list[RankReport]] | None = None) -> list[CallOutput]:
         now = self.clock()
         if self.record_steps:
-            profile, ps = self.costs.profile, self.costs.page_size
-            prefill_s, decode_s = profile.step_parts(plan, ps)
-            restores = len(plan.ops.restores) if plan.ops is not None else 0
-            restore_s = profile.restore_s(plan.model, restores * ps) if restores else 0.0
+            prefill_s, restore_s, decode_s = self.costs.profile.step_parts(plan, self.costs.page_size)
             self._emit(EventKind.STEP, model=plan.model, planned_at=self._planned_at, seconds=step_s,
-                       tokens=plan.num_tokens, seqs=len(plan.chunks), priced_prefill_s=prefill_s - restore_s,
+                       tokens=plan.num_tokens, seqs=len(plan.chunks), priced_prefill_s=prefill_s,
                        priced_restore_s=restore_s, priced_decode_s=decode_s)
         if self.rounds is not None:
             self.rounds.committed(step_s)

@@ -249,7 +249,7 @@ def test_a_step_is_one_batched_prefill_one_decode_and_its_restores():
     plan = StepPlan("m", chunks, MemoryOps(restores=((0, 5), (1, 6))))
     want_prefill = prefill.seconds(30, 0) + prefill.seconds(20, 64) - prefill.base_s  # the fixed cost once
     want_restore = 2 * 16 * p.model("m").kv_bytes_per_token / p.bandwidth.restore  # 2 pages of 16 tokens
-    assert p.step_parts(plan, 16) == pytest.approx((want_prefill + want_restore, decode.seconds(2, 100 + 10)))
+    assert p.step_parts(plan, 16) == pytest.approx((want_prefill, want_restore, decode.seconds(2, 100 + 10)))
     assert p.step_s(plan, 16) == pytest.approx(want_prefill + want_restore + decode.seconds(2, 110), rel=1e-15)
     assert p.step_s(StepPlan("m", ()), 16) == 0.0
 

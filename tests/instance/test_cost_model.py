@@ -63,6 +63,6 @@ def test_a_step_is_predicted_as_the_profile_prices_it_times_each_parts_correctio
     inst = instance("a", hot=True)
     inst.scheduler.add(call("r1", max_tokens=3))
     plan = inst.scheduler.plan()
-    prefill, decode = profile.step_parts(plan, PS)
-    assert costs.step_s(plan) == pytest.approx(3.0 * prefill + 0.5 * decode)
+    prefill, restore, decode = profile.step_parts(plan, PS)
+    assert costs.step_s(plan) == pytest.approx(3.0 * (prefill + restore) + 0.5 * decode)
     assert costs.step_s(StepPlan("a", ())) == 0.0
