@@ -21,7 +21,7 @@ class EventKind(str, Enum):
     ROUND = "round"  # data: round, start, wall_s = active_s + switch_s, p_s, d_s, sp_s, sp_admitted, sp_parked, slots
     SLOT_PHASE = "slot_phase"  # data: model, phase (P | D1 | SP | D | Dfin), round, start, duration_s, steps, tokens
     SP_ADMIT = "sp_admit"  # data: model, session, request, tokens, cached_tokens, restored_tokens, round, opportunity
-    SP_PARK = "sp_park"  # data: model, session, request, reason (budget | kv | slot-closed | sp-off), round
+    SP_PARK = "sp_park"  # data: model, session, request, reason (budget | kv | tpot | slot-closed | sp-off), round
     ROUTE = "route"  # instance "router"; data: request, session, model, instance, reason, candidates, cost, ...
     LEASE = "lease"  # instance "router"; data: op (install | consume | discard | expire), session, model, instance
     # with an instance's record_steps on (simulator parity, docs/events.md): what it was given and did

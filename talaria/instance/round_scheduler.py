@@ -8,8 +8,9 @@ the order the slot-order policy picks, and models switch only at slot boundaries
 P prefills the work that was queued when the slot opened; D steps decode every running sequence of
 the model; at each decode boundary an SP step may prefill a bounded batch of *continuations* that
 arrived after P (a session served here before, whose prefix is device-resident or restorable from
-the host KV registry). New sessions never bypass P. Dfin is the decode after the post-protected
-budget is spent.
+the host KV registry), when the model's prefill fixed cost fits one decode step's TPOT slack (an SP
+step stalls every decoder for its whole time). New sessions never bypass P. Dfin is the decode
+after the post-protected budget is spent.
 
 Budgets come from predicted costs (a CostModel over a profile) and the injected clock:
 - the round is bounded by R <= gamma * ttft_s (Eq. (5)); the slot-length policy splits what the
@@ -21,9 +22,9 @@ Budgets come from predicted costs (a CostModel over a profile) and the injected 
   does not fit waits (it is parked, and an event says so).
 Shortfalls are counted in `deadline_risk` and reported, never hidden by rolling work forward.
 
-Slots worth less than their switch are deferred (slot_policy.ThrashGuard). Each step is of one
-phase; the scheduler times phases and rounds, emits `slot_phase`, `sp_admit`, `sp_park` and `round`
-events, and sees time only through the clock and costs only through the model (live or simulated).
+Slots worth less than their switch are deferred (slot_policy.ThrashGuard). Each step is of one phase; the scheduler times phases and rounds, emits
+`slot_phase`, `sp_admit`, `sp_park` and `round` events, and sees time only through the clock and
+costs only through the model (live or simulated).
 """
 
 from __future__ import annotations
@@ -266,6 +267,10 @@ class RoundScheduler:
             queued = [q for q in b.waiting if q.seq_id in s.p_set]
         else:
             queued = [q for q in b.waiting if self._eligible(s, b, q)]
+            if queued and not self._sp_within_tpot(s.model, b):
+                for q in queued:
+                    self._park(s, q, "tpot")
+                queued = []
             if queued:  # the configured SP batch rule (sp_batch.py) picks which, and in what order
                 queued = SP_BATCHES[self.config.sp_batch](queued, lambda q: self.prompts.work(s.model, b, q),
                                                           lambda: self._opportunity(s, b, now, bool(started)))
@@ -320,6 +325,15 @@ class RoundScheduler:
         t_d = self.costs.decode_s(s.model, len(decoders) + 1, sum(len(q.token_ids) for q in decoders))
         return SpOpportunity(0.0 if paid else self.costs.prefill_fixed_s(s.model), max(0.0, s.budget_s - (now - s.start)),
                              after, t_d, tuple(q.num_generated for q in decoders), b.outputs)
+
+    def _sp_within_tpot(self, model: str, b: Batcher) -> bool:
+        """An SP step stalls every decoding sequence of the slot for its time: admit continuations
+        only when its fixed cost fits one decode step's TPOT slack, T_tpot - t_D (the paper's SP
+        inserts a prefill whose fixed cost is a forward's between two decode steps). A node whose
+        prefill fixed cost is larger batches continuations in the next P, under one fixed cost."""
+        decoders = b.decoding
+        t_d = self.costs.decode_s(model, len(decoders) + 1, sum(len(q.token_ids) for q in decoders))
+        return self.costs.prefill_fixed_s(model) <= self.config.tpot_s - t_d
 
     @staticmethod
     def _must_finish(seq: Sequence) -> bool:

@@ -1,7 +1,9 @@
 """Which waiting continuations a session-prefill (SP) step admits (paper §3.4; issue 20, item 4).
 
 Chosen by config (`sp_batch` in `[[instances]]`); the round scheduler calls one at every SP
-opportunity that has continuations waiting, with the candidates in arrival order.
+opportunity that has continuations waiting, with the candidates in arrival order, once the
+model's prefill fixed cost fits a decode step's TPOT slack (where it does not, no SP step runs:
+round_scheduler.py).
 
 - `paper`: every eligible continuation, in arrival order; the budget left after protected decode
   bounds the batch (paper §3.4). Free when a prefill step's fixed cost is small.
@@ -26,8 +28,9 @@ opportunity that has continuations waiting, with the candidates in arrival order
   the step costs c for each decoder and L for each decoder pushed past the slot's end. Candidates are
   ranked by predicted remaining work (w_i), shortest first, and the step admits the prefix of that
   ranking with the largest positive net; none when no prefix gains (they wait for the next P, or a
-  later opportunity of this slot). Measured in docs/simulator.md ("SP batch selection"): it helps
-  where the prefill fixed cost is large, loses where it is a forward's, so it is off by default.
+  later opportunity of this slot). Measured in docs/simulator.md ("SP batch selection"): it helped
+  where the prefill fixed cost is large (where the TPOT gate now takes no SP step at all) and loses
+  where it is a forward's, so it is off by default.
 """
 
 from __future__ import annotations

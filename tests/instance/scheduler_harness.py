@@ -53,11 +53,11 @@ RESTORE_S = 1 / 256  # per token
 ROUNDS = RoundConfig(ttft_s=1.25, tpot_s=0.25, gamma=0.8, max_batch_tokens=32, min_chunk_tokens=PS)
 
 
-def toy_profile(models: Seq[str]) -> Profile:
+def toy_profile(models: Seq[str], prefill_base_s: float = 0.0) -> Profile:
     kv_per_token = PAGE_BYTES // PS
     return Profile("toy", "cpu", 1, 3584, "2026-11-30T00:00:00+00:00", "hand-written for tests",
                    Bandwidth(kv_per_token / RESTORE_S, kv_per_token / RESTORE_S, 1e12),
-                   {m: ModelProfile(m, WEIGHTS[m], kv_per_token, PrefillCurve(0.0, PREFILL_S),
+                   {m: ModelProfile(m, WEIGHTS[m], kv_per_token, PrefillCurve(prefill_base_s, PREFILL_S),
                                     DecodeCurve(DECODE_S, 0.0), {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0, SWITCH_S, 0, 0, 0))})
                     for m in models})
 
@@ -141,11 +141,12 @@ class Instance:
 
 def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds: RoundConfig = ROUNDS,
              extra_pages: int = 0, learn: bool = True, hkvr: bool = True, hot: bool = False,
-             host_slabs: int = 16) -> Instance:
+             host_slabs: int = 16, prefill_base_s: float = 0.0) -> Instance:
     """An instance serving `models`, assembled as every instance is, the first model open at `now`.
     `learn`: the cost model folds measured step times in (off: predictions stay the profile's).
     `hkvr`: a host KV registry of `host_slabs` pages (off: KV dropped at a switch is recomputed).
-    `hot`: a hot pool of one model (continuous batching, no rounds)."""
+    `hot`: a hot pool of one model (continuous batching, no rounds). `prefill_base_s`: every prefill
+    step's fixed cost (0: the toy prefill is per token only)."""
     arena = 3584 + extra_pages * PAGE_BYTES
     layout = BumpLayout(arena, 256)
     for m in models:
@@ -157,7 +158,7 @@ def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds:
                                   "max_batch_tokens": max_batch_tokens})
     events, clock = CopyEventsStandIn(), FakeClock(now)
     served = [ServedModel(m, WEIGHTS[m], PAGE_BYTES, 64, (2,)) for m in models]
-    s = assemble(config, layout, served, toy_profile(models), events, clock, learn=learn, rounds=round_config)
+    s = assemble(config, layout, served, toy_profile(models, prefill_base_s), events, clock, learn=learn, rounds=round_config)
     return Instance(s, s.memory, s.memory.host, events, clock, RankLedger(0, PS))
 
 

@@ -126,6 +126,40 @@ def test_with_sp_off_a_returning_continuation_is_parked_until_the_next_slot():
     ]
 
 
+def test_an_sp_step_is_taken_only_when_its_fixed_cost_fits_the_decoders_tpot_slack():
+    """An SP step stalls the slot's decoders for its whole time. Slack: T_tpot 1/4 s less a decode
+    step 1/16 s = 3/16 s. A prefill fixed cost of 1/8 s fits it and t2 is admitted mid-slot; one of
+    1/4 s does not, so t2 is parked ("tpot") and waits for the next slot's P (one fixed cost for all
+    its queue)."""
+    arrivals = {0.0: [call("t1", T1, "s1"), call("long", range(200, 204), max_tokens=14)],
+                0.5: [call("t2", (*T1, 50, 60, 61, 62), "s1")]}
+    fits = instance("a", "b", prefill_base_s=1 / 8)
+    fits.until_idle(arrivals=arrivals)
+    assert trace(fits.log()) == [
+        (0.0, "a", "P", 1, 12),
+        (0.3125, "a", "D1", 3, 3),
+        (0.5, "sp_admit", "t2", 1),
+        (0.5, "a", "SP", 1, 4),  # 1/8 + 4/64 s: the decoders wait 3/16 s, within their slack
+        (0.6875, "a", "D", 3, 3),
+        (0.875, "a", "Dfin", 2, 2),
+        (1.0, "round", 1, 1.0),
+        (1.0, "a", "D1", 5, 5),
+        (1.3125, "round", 2, 0.3125),
+    ]
+    too_slow = instance("a", "b", prefill_base_s=1 / 4)
+    too_slow.until_idle(arrivals=arrivals)
+    assert trace(too_slow.log()) == [
+        (0.0, "a", "P", 1, 12),
+        (0.5, "sp_park", "t2", "tpot"),
+        (0.4375, "a", "D1", 5, 5),
+        (0.75, "a", "Dfin", 4, 4),
+        (1.0, "round", 1, 1.0),
+        (1.0, "a", "P", 1, 4),  # t2, in the next slot's P
+        (1.3125, "a", "D1", 4, 4),
+        (1.5625, "round", 2, 0.5625),
+    ]
+
+
 def test_decode_share_holds_under_heavy_prefill_pressure():
     inst = instance("a", "b", max_batch_tokens=32, extra_pages=64)
     prompts = [call(f"p{i}", range(200 + 50 * i, 240 + 50 * i)) for i in range(6)]  # 240 tokens: 3.75 s
