@@ -22,7 +22,8 @@ Budgets come from predicted costs (a CostModel over a profile) and the injected 
   does not fit waits (it is parked, and an event says so).
 Shortfalls are counted in `deadline_risk` and reported, never hidden by rolling work forward.
 
-Slots worth less than their switch are deferred (slot_policy.ThrashGuard). Each step is of one phase; the scheduler times phases and rounds, emits
+Slots worth less than what opening them costs (the switch and their P's fixed cost) are deferred
+(slot_policy.ThrashGuard). Each step is of one phase; the scheduler times phases and rounds, emits
 `slot_phase`, `sp_admit`, `sp_park` and `round` events, and sees time only through the clock and
 costs only through the model (live or simulated).
 """
@@ -147,17 +148,20 @@ class RoundScheduler:
         if not with_work:
             return
         cfg = self.config
-        protected, demand = {}, {}
+        protected, demand, fixed = {}, {}, {}
         for m in with_work:
             t_d = self._decode_step_s(m)
             if cfg.tpot_s <= t_d:
                 self.deadline_risk["tpot_infeasible"] += 1  # Eq. (4) cannot hold for this profile
             protected[m] = math.ceil(cfg.round_s / cfg.tpot_s)
-            b = self.batchers[m]
-            demand[m] = protected[m] * t_d + sum(self.costs.prefill_s(m, s.num_uncomputed) for s in b.waiting)
+            queued = [s.num_uncomputed for s in self.batchers[m].waiting]
+            # P batches the queue: each of its steps pays the prefill fixed cost once, the prompts their own work
+            fixed[m] = self.costs.prefill_fixed_s(m) if queued else 0.0
+            steps = math.ceil(sum(queued) / cfg.max_batch_tokens)
+            demand[m] = protected[m] * t_d + steps * fixed[m] + sum(self.costs.prefill_s(m, n, batched=True) for n in queued)
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
         queue, switches, budgets, deferred = self._guard.slots(
-            queue, demand, lambda q: self._switches(q, active), SLOT_LENGTHS[cfg.length], cfg.round_s)
+            queue, demand, lambda q: self._switches(q, active), SLOT_LENGTHS[cfg.length], cfg.round_s, fixed)
         if sum(switches.values()) >= cfg.round_s:
             self.deadline_risk["round_infeasible"] += 1  # switches alone exceed gamma * ttft_s
         for m in queue:

@@ -42,14 +42,16 @@ def equal_split(available_s: float, demand: dict[str, float]) -> dict[str, float
 
 
 class ThrashGuard:
-    """A slot that needs a switch must be predicted to serve at least k x the switch's cost.
+    """A slot that needs a switch must be predicted to serve at least k x what opening it costs: the
+    switch, and the fixed cost of its P's first step (however many prompts the step batches).
 
-    Served work is the slot's budget or the model's predicted work, whichever is less. While some
-    slot falls short, the least worthwhile one (served / switch) leaves the round and the budgets
-    are split again among the rest, whose switches change with the order. A model is left out at
-    most `max_deferrals` rounds in a row (the starvation bound); every slot that switches, a starved
-    model's or a lone model's, then gets at least k x its switch (or its whole work) in budget,
-    round bound or not. At k = 1 no slot spends more time switching in than serving.
+    Served work is the slot's budget or the model's predicted work, whichever is less, less that
+    fixed cost. While some slot falls short, the least worthwhile one (served / opening) leaves the
+    round and the budgets are split again among the rest, whose switches change with the order. A
+    model is left out at most `max_deferrals` rounds in a row (the starvation bound); every slot that
+    switches, a starved model's or a lone model's, then gets at least its fixed cost plus k x its
+    opening (or its whole work) in budget, round bound or not. At k = 1 no slot spends more time
+    opening than serving; a deferred model's queue is prefilled later under one fixed cost.
     """
 
     def __init__(self, k: float, max_deferrals: int) -> None:
@@ -58,22 +60,29 @@ class ThrashGuard:
         self.deferrals: Counter = Counter()  # model -> rounds in a row it was left out
 
     def slots(self, queue: list[str], demand: dict[str, float], switches_of: Callable[[list[str]], dict[str, float]],
-              split: SlotLengthFn, round_s: float) -> tuple[list[str], dict[str, float], dict[str, float], list[str]]:
-        """(the slots kept, in order; their predicted switches; their budgets; the models left out)."""
+              split: SlotLengthFn, round_s: float, fixed: dict[str, float] | None = None,
+              ) -> tuple[list[str], dict[str, float], dict[str, float], list[str]]:
+        """(the slots kept, in order; their predicted switches; their budgets; the models left out).
+        `fixed`: the prefill fixed cost opening each model's slot pays (0 when nothing is queued for its
+        P), part of its `demand` (none: 0 for every model)."""
+        fixed = {m: (fixed or {}).get(m, 0.0) for m in queue}
         queue, deferred = list(queue), []
         while True:
             switches = switches_of(queue)
             budgets = split(max(0.0, round_s - sum(switches.values())), {m: demand[m] for m in queue})
+            opening = {m: switches[m] + fixed[m] for m in queue}
+            served = {m: min(budgets[m], demand[m]) - fixed[m] for m in queue}
             short = [m for m in queue if switches[m] > 0 and self.deferrals[m] < self.max_deferrals
-                     and min(budgets[m], demand[m]) < self.k * switches[m]]
+                     and served[m] < self.k * opening[m]]
             if not short or len(queue) == 1:
                 break
-            worst = min(short, key=lambda m: min(budgets[m], demand[m]) / switches[m])
+            worst = min(short, key=lambda m: served[m] / opening[m])
             queue.remove(worst)
             deferred.append(worst)
         for m in queue:
             self.deferrals[m] = 0
-            budgets[m] = max(budgets[m], min(demand[m], self.k * switches[m]))
+            if switches[m] > 0:
+                budgets[m] = max(budgets[m], min(demand[m], fixed[m] + self.k * opening[m]))
         for m in deferred:
             self.deferrals[m] += 1
         return queue, switches, budgets, deferred

@@ -46,3 +46,22 @@ def test_a_starved_or_lone_slot_gets_at_least_k_times_its_switch():
     assert deferred == [] and queue == ["b", "c"]
     # switches alone use 4 s of a 3 s round: each slot gets min(its work, k x switch) anyway
     assert budgets == {"b": 2.0, "c": 0.4}
+
+
+def test_a_slot_is_worth_its_switch_and_its_prefill_fixed_cost_together():
+    """c's slot would get 1 s of budget for 1.5 s of work behind a 0.5 s switch: worth it when a
+    prefill step costs only its tokens, not when its P pays a 1 s fixed cost out of that second
+    (served 0 s < k x (0.5 + 1) s). Deferred, its queue is prefilled later under one fixed cost."""
+    demand, switches = {"a": 3.0, "b": 3.0, "c": 1.5}, switches_after("a", {"b": 0.5, "c": 0.5})
+    kept = ThrashGuard(k=1.0, max_deferrals=2).slots(["a", "b", "c"], demand, switches, demand_split, 6.0)
+    assert kept[0] == ["a", "b", "c"] and kept[2] == {"a": 2.0, "b": 2.0, "c": 1.0}
+    queue, _, budgets, deferred = ThrashGuard(k=1.0, max_deferrals=2).slots(
+        ["a", "b", "c"], demand, switches, demand_split, 6.0, fixed={"c": 1.0})
+    assert queue == ["a", "b"] and deferred == ["c"] and budgets == {"a": 2.75, "b": 2.75}
+
+
+def test_a_starved_slot_gets_its_fixed_cost_and_k_times_its_opening():
+    guard = ThrashGuard(k=1.0, max_deferrals=0)
+    _, _, budgets, _ = guard.slots(["b", "c"], {"b": 5.0, "c": 3.0}, switches_after("a", {"b": 2.0, "c": 2.0}),
+                                   demand_split, 3.0, fixed={"c": 1.0})
+    assert budgets == {"b": 2.0, "c": 3.0}  # c: its 1 s fixed cost + 1 x (2 s switch + 1 s), capped by its 3 s of work

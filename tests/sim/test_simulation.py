@@ -181,3 +181,20 @@ def test_with_a_large_prefill_fixed_cost_sp_steps_are_not_taken_and_talaria_is_n
     fast = summary(Simulation(profile_topology(profile, ttft_s=20.0, tpot_s=0.2, gamma=0.8), profile, trace).run())
     assert fast["sp_admitted"] > 0
 
+
+def test_the_thrash_guard_counts_a_large_prefill_fixed_cost_as_part_of_opening_a_slot():
+    """The same 210 calls at T_ttft 5 s: a 4 s round cannot hold three P steps of 2.1 s each. When
+    the guard weighed a slot against its switch alone (and demand counted the fixed cost once per
+    queued prompt), Talaria's cheap staged switches kept every model in every round and it lost to
+    h2d-only, whose slow switches got more slots deferred: SCT 466.1 / 578.2 s against 418.9 / 509.3
+    s, 74 switches against 47. With a P step's fixed cost part of opening a slot: 240.7 / 308.0 s
+    (h2d-only 290.3 / 369.4 s)."""
+    from talaria.sim.simulation import profile_topology
+
+    profile, trace = paper_tp8_first_calls()
+    slow = profile.with_prefill_base(2.1)
+    config = profile_topology(slow, ttft_s=5.0, tpot_s=0.2, gamma=0.8)
+    talaria = summary(Simulation(config, slow, trace).run())
+    for other in ("h2d-only", "round-only"):
+        r = summary(Simulation(variant(config, other), slow, trace).run())
+        assert talaria["sct_p50_s"] <= r["sct_p50_s"] and talaria["sct_p95_s"] <= r["sct_p95_s"], other
