@@ -1,5 +1,6 @@
 """What prefilling a prompt's next chunk costs on a cold instance: the prices the round scheduler
-sizes P and SP chunks by, and ranks SP candidates by (talaria/instance/sp_batch.py).
+sizes P and SP chunks by, ranks SP candidates by (talaria/instance/sp_batch.py), and predicts a
+round's P phases with.
 
 A waiting prompt reuses the prefix this instance holds (device pages, or host pages it restores
 first) and prefills the rest; a running one continues from its computed tokens. Prices come from
@@ -7,6 +8,9 @@ the instance's CostModel, so they carry its EWMA corrections. Plain arithmetic, 
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable
 
 from talaria.instance.batcher import Batcher
 from talaria.instance.cost_model import CostModel
@@ -18,6 +22,17 @@ class PromptCosts:
         self.costs = costs
         self.page_size = page_size
         self.min_chunk = min_chunk  # the smallest prefill chunk worth a step
+
+    def p_phase(self, model: str, queued: Iterable[Sequence], max_batch_tokens: int) -> tuple[float, float]:
+        """(the fixed cost of its first step, its predicted seconds) for a P that prefills the
+        `queued` prompts' uncomputed tokens: its steps batch them, each paying the fixed cost once;
+        (0, 0) when nothing is queued."""
+        todo = [seq.num_uncomputed for seq in queued]
+        if not todo:
+            return 0.0, 0.0
+        fixed = self.costs.prefill_fixed_s(model)
+        steps = math.ceil(sum(todo) / max_batch_tokens)
+        return fixed, steps * fixed + sum(self.costs.prefill_s(model, n, batched=True) for n in todo)
 
     def tail(self, model: str, b: Batcher, seq: Sequence) -> tuple[int, float, int]:
         """(tokens whose KV it has or can reuse, seconds to restore those from host, tokens left to prefill)."""

@@ -22,10 +22,9 @@ Budgets come from predicted costs (a CostModel over a profile) and the injected 
   does not fit waits (it is parked, and an event says so).
 Shortfalls are counted in `deadline_risk` and reported, never hidden by rolling work forward.
 
-Slots worth less than what opening them costs (the switch and their P's fixed cost) are deferred
-(slot_policy.ThrashGuard). Each step is of one phase; the scheduler times phases and rounds, emits
-`slot_phase`, `sp_admit`, `sp_park` and `round` events, and sees time only through the clock and
-costs only through the model (live or simulated).
+Slots worth less than their opening (switch and P's fixed cost) are deferred (slot_policy.ThrashGuard).
+Each step is of one phase; the scheduler times phases and rounds, emits `slot_phase`, `sp_admit`,
+`sp_park` and `round` events, and sees time only through the clock and costs only through the model.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ from talaria.instance.rounds import (
 )
 from talaria.instance.sequence import SeqStatus, Sequence
 from talaria.instance.slot_policy import SLOT_LENGTHS, SLOT_ORDERS, ThrashGuard
-from talaria.instance.sp_batch import SP_BATCHES, SpOpportunity
+from talaria.instance.sp_batch import SP_BATCHES, SpOpportunity, within_tpot_slack
 
 ROUNDS_KEPT = 8  # round summaries kept for telemetry
 
@@ -154,11 +153,8 @@ class RoundScheduler:
             if cfg.tpot_s <= t_d:
                 self.deadline_risk["tpot_infeasible"] += 1  # Eq. (4) cannot hold for this profile
             protected[m] = math.ceil(cfg.round_s / cfg.tpot_s)
-            queued = [s.num_uncomputed for s in self.batchers[m].waiting]
-            # P batches the queue: each of its steps pays the prefill fixed cost once, the prompts their own work
-            fixed[m] = self.costs.prefill_fixed_s(m) if queued else 0.0
-            steps = math.ceil(sum(queued) / cfg.max_batch_tokens)
-            demand[m] = protected[m] * t_d + steps * fixed[m] + sum(self.costs.prefill_s(m, n, batched=True) for n in queued)
+            fixed[m], p_s = self.prompts.p_phase(m, self.batchers[m].waiting, cfg.max_batch_tokens)
+            demand[m] = protected[m] * t_d + p_s
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
         queue, switches, budgets, deferred = self._guard.slots(
             queue, demand, lambda q: self._switches(q, active), SLOT_LENGTHS[cfg.length], cfg.round_s, fixed)
@@ -271,7 +267,8 @@ class RoundScheduler:
             queued = [q for q in b.waiting if q.seq_id in s.p_set]
         else:
             queued = [q for q in b.waiting if self._eligible(s, b, q)]
-            if queued and not self._sp_within_tpot(s.model, b):
+            if queued and not within_tpot_slack(self.costs.prefill_fixed_s(s.model), self._sp_decode_s(s.model, b),
+                                                self.config.tpot_s):
                 for q in queued:
                     self._park(s, q, "tpot")
                 queued = []
@@ -322,22 +319,14 @@ class RoundScheduler:
     def _opportunity(self, s: Slot, b: Batcher, now: float, paid: bool) -> SpOpportunity:
         """An SP step now, as sp_batch.py weighs it; `paid`: chunks already in it pay the fixed cost."""
         later = self.round.queue  # the model's next P: after this slot and the round's other slots
-        after = sum(self.round.budgets[m] for m in later)
-        if later:
-            after += sum(self._switches([*later, s.model], s.model).values())
-        decoders = b.decoding
-        t_d = self.costs.decode_s(s.model, len(decoders) + 1, sum(len(q.token_ids) for q in decoders))
+        after = sum(self.round.budgets[m] for m in later) + sum(self._switches([*later, s.model], s.model).values())
         return SpOpportunity(0.0 if paid else self.costs.prefill_fixed_s(s.model), max(0.0, s.budget_s - (now - s.start)),
-                             after, t_d, tuple(q.num_generated for q in decoders), b.outputs)
+                             after, self._sp_decode_s(s.model, b), tuple(q.num_generated for q in b.decoding), b.outputs)
 
-    def _sp_within_tpot(self, model: str, b: Batcher) -> bool:
-        """An SP step stalls every decoding sequence of the slot for its time: admit continuations
-        only when its fixed cost fits one decode step's TPOT slack, T_tpot - t_D (the paper's SP
-        inserts a prefill whose fixed cost is a forward's between two decode steps). A node whose
-        prefill fixed cost is larger batches continuations in the next P, under one fixed cost."""
+    def _sp_decode_s(self, model: str, b: Batcher) -> float:
+        """t_D of the slot's batch with one more sequence: the decode step an SP admission joins."""
         decoders = b.decoding
-        t_d = self.costs.decode_s(model, len(decoders) + 1, sum(len(q.token_ids) for q in decoders))
-        return self.costs.prefill_fixed_s(model) <= self.config.tpot_s - t_d
+        return self.costs.decode_s(model, len(decoders) + 1, sum(len(q.token_ids) for q in decoders))
 
     @staticmethod
     def _must_finish(seq: Sequence) -> bool:

@@ -2,8 +2,8 @@
 
 Chosen by config (`sp_batch` in `[[instances]]`); the round scheduler calls one at every SP
 opportunity that has continuations waiting, with the candidates in arrival order, once the
-model's prefill fixed cost fits a decode step's TPOT slack (where it does not, no SP step runs:
-round_scheduler.py).
+model's prefill fixed cost fits a decode step's TPOT slack (`within_tpot_slack`; where it does not,
+no SP step runs).
 
 - `paper`: every eligible continuation, in arrival order; the budget left after protected decode
   bounds the batch (paper §3.4). Free when a prefill step's fixed cost is small.
@@ -75,6 +75,14 @@ class SpOpportunity:
         gain = sum(p * (wait - c + w) + (1 - p) * max(0.0, ends - c) for w in works)
         pushed = sum(share(self.outputs, g, (t - c) / self.step_s, t / self.step_s) for g in self.generated)
         return gain - c * n - pushed * self.later_s
+
+
+def within_tpot_slack(fixed_s: float, step_s: float, tpot_s: float) -> bool:
+    """Whether SP steps are taken at all: an SP step stalls every decoding sequence of the slot for its
+    whole time, so it is taken only when the model's prefill fixed cost fits one decode step's TPOT
+    slack, T_tpot - t_D (the paper's SP inserts a prefill whose fixed cost is a forward's between two
+    decode steps). Where it does not, continuations wait for the next P, under one fixed cost."""
+    return fixed_s <= tpot_s - step_s
 
 
 SpBatchFn = Callable[[list[T], Callable[[T], float], Callable[[], SpOpportunity]], list[T]]
