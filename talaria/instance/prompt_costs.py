@@ -10,7 +10,6 @@ the instance's CostModel, so they carry its EWMA corrections. Plain arithmetic, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from talaria.instance.batcher import Batcher
 from talaria.instance.cost_model import CostModel
@@ -23,16 +22,17 @@ class PromptCosts:
         self.page_size = page_size
         self.min_chunk = min_chunk  # the smallest prefill chunk worth a step
 
-    def p_phase(self, model: str, queued: Iterable[Sequence], max_batch_tokens: int) -> tuple[float, float]:
-        """(the fixed cost of its first step, its predicted seconds) for a P that prefills the
-        `queued` prompts' uncomputed tokens: its steps batch them, each paying the fixed cost once;
-        (0, 0) when nothing is queued."""
-        todo = [seq.num_uncomputed for seq in queued]
-        if not todo:
+    def p_phase(self, model: str, b: Batcher, max_batch_tokens: int) -> tuple[float, float]:
+        """(the fixed cost of its first step, its predicted seconds) for a P that prefills what waits
+        in `b`: each prompt its restore and its tail (`work`), in steps of `max_batch_tokens` that
+        each pay the fixed cost once; (0, 0) when nothing waits."""
+        if not b.waiting:
             return 0.0, 0.0
+        tails = [self.tail(model, b, seq) for seq in b.waiting]
         fixed = self.costs.prefill_fixed_s(model)
-        steps = math.ceil(sum(todo) / max_batch_tokens)
-        return fixed, steps * fixed + sum(self.costs.prefill_s(model, n, batched=True) for n in todo)
+        steps = max(1, math.ceil(sum(todo for _, _, todo in tails) / max_batch_tokens))
+        work = sum(restore + self.costs.prefill_s(model, todo, cached, batched=True) for cached, restore, todo in tails)
+        return fixed, steps * fixed + work
 
     def tail(self, model: str, b: Batcher, seq: Sequence) -> tuple[int, float, int]:
         """(tokens whose KV it has or can reuse, seconds to restore those from host, tokens left to prefill)."""

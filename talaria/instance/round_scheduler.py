@@ -153,7 +153,7 @@ class RoundScheduler:
             if cfg.tpot_s <= t_d:
                 self.deadline_risk["tpot_infeasible"] += 1  # Eq. (4) cannot hold for this profile
             protected[m] = math.ceil(cfg.round_s / cfg.tpot_s)
-            fixed[m], p_s = self.prompts.p_phase(m, self.batchers[m].waiting, cfg.max_batch_tokens)
+            fixed[m], p_s = self.prompts.p_phase(m, self.batchers[m], cfg.max_batch_tokens)
             demand[m] = protected[m] * t_d + p_s
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
         queue, switches, budgets, deferred = self._guard.slots(

@@ -41,9 +41,10 @@ class RoundConfig:
     length: SlotLength = SlotLength.DEMAND
     max_batch_tokens: int = 512  # tokens per engine step
     min_chunk_tokens: int = 0  # smallest P/SP chunk worth a step; 0 = max(page, max_batch_tokens / 4)
-    # thrash guard: a slot that needs a switch must be predicted to serve at least thrash_k x that
-    # switch's cost, else the model is deferred to a later round -- but never more than max_deferrals
-    # rounds in a row (its next slot then gets at least that much budget, bound or not)
+    # thrash guard: a slot that needs a switch must be predicted to serve at least thrash_k x its
+    # opening (the switch and its P's first fixed cost), else the model is deferred to a later round --
+    # but never more than max_deferrals rounds in a row (its next slot then gets at least that much
+    # budget, bound or not)
     thrash_k: float = 1.0
     max_deferrals: int = 2
     sp_batch: SpBatch = SpBatch.PAPER  # which continuations an SP step admits (sp_batch.py)

@@ -78,10 +78,11 @@ class SpOpportunity:
 
 
 def within_tpot_slack(fixed_s: float, step_s: float, tpot_s: float) -> bool:
-    """Whether SP steps are taken at all: an SP step stalls every decoding sequence of the slot for its
-    whole time, so it is taken only when the model's prefill fixed cost fits one decode step's TPOT
-    slack, T_tpot - t_D (the paper's SP inserts a prefill whose fixed cost is a forward's between two
-    decode steps). Where it does not, continuations wait for the next P, under one fixed cost."""
+    """Whether an SP step is taken at this opportunity: it stalls every decoding sequence of the slot
+    for its whole time, so it is taken only when the model's prefill fixed cost (what it adds over
+    serving the calls in the next P) fits one decode step's TPOT slack, T_tpot - t_D (the paper's SP
+    inserts a prefill whose fixed cost is a forward's between two decode steps). Where it does not,
+    continuations wait for a later opportunity or the next P, under one fixed cost."""
     return fixed_s <= tpot_s - step_s
 
 

@@ -62,6 +62,6 @@ def test_a_slot_is_worth_its_switch_and_its_prefill_fixed_cost_together():
 
 def test_a_starved_slot_gets_its_fixed_cost_and_k_times_its_opening():
     guard = ThrashGuard(k=1.0, max_deferrals=0)
-    _, _, budgets, _ = guard.slots(["b", "c"], {"b": 5.0, "c": 3.0}, switches_after("a", {"b": 2.0, "c": 2.0}),
+    _, _, budgets, _ = guard.slots(["b", "c"], {"b": 5.0, "c": 5.0}, switches_after("a", {"b": 2.0, "c": 2.0}),
                                    demand_split, 3.0, fixed={"c": 1.0})
-    assert budgets == {"b": 2.0, "c": 3.0}  # c: its 1 s fixed cost + 1 x (2 s switch + 1 s), capped by its 3 s of work
+    assert budgets == {"b": 2.0, "c": 4.0}  # c: its 1 s fixed cost + 1 x (2 s switch + 1 s); b: 1 x its 2 s switch
