@@ -236,7 +236,7 @@ def _check_instances(instances: list[tuple[str, InstanceConfig]], model_names: s
         if not 0 < inst.gamma < 1:
             probs.add(where, f"gamma = {inst.gamma} must be between 0 and 1 (exclusive): rounds are bounded "
                       "below the TTFT target, e.g. gamma = 0.8")
-        for key, example in (("ttft_s", 2.0), ("tpot_s", 0.25), ("stall_s", 20.0), ("max_batch_tokens", 512)):
+        for key, example in (("ttft_s", 2.0), ("tpot_s", 0.25), ("stall_s", 20.0)):
             if getattr(inst, key) <= 0:
                 probs.add(where, f"{key} = {getattr(inst, key)} must be above 0, e.g. {key} = {example}")
         check_tp(inst, {m: archs[m] for m in dict.fromkeys(inst.models) if m in archs}, where, probs)
