@@ -305,6 +305,13 @@ class Batcher:
         if len(self._finished) > OUTPUTS_KEPT:
             del self.outputs[bisect_left(self.outputs, self._finished.popleft())]
 
+    def longest_output(self, n: int) -> int:
+        """The longest output expected of n calls: the n/(n+1) quantile of the output lengths of the
+        calls finished here (0 before the first)."""
+        if not self.outputs or n <= 0:
+            return 0
+        return self.outputs[min(len(self.outputs) - 1, len(self.outputs) * n // (n + 1))]
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or cancelled sequence and release its pages (they stay cached)."""
         if seq.status is SeqStatus.RUNNING:

@@ -153,8 +153,9 @@ class RoundScheduler:
             if cfg.tpot_s <= t_d:
                 self.deadline_risk["tpot_infeasible"] += 1  # Eq. (4) cannot hold for this profile
             protected[m] = math.ceil(cfg.round_s / cfg.tpot_s)
-            fixed[m], p_s = self.prompts.p_phase(m, self.batchers[m], cfg.max_batch_tokens)
-            demand[m] = protected[m] * t_d + p_s
+            b = self.batchers[m]  # its P, then its calls' decode: the longest output expected of them
+            fixed[m], p_s = self.prompts.p_phase(m, b, cfg.max_batch_tokens)
+            demand[m] = max(protected[m], b.longest_output(len(b.running) + len(b.waiting))) * t_d + p_s
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
         queue, switches, budgets, deferred = self._guard.slots(
             queue, demand, lambda q: self._switches(q, active), SLOT_LENGTHS[cfg.length], cfg.round_s, fixed)

@@ -187,8 +187,9 @@ def test_the_thrash_guard_counts_a_large_prefill_fixed_cost_as_part_of_opening_a
     the guard weighed a slot against its switch alone (and demand counted the fixed cost once per
     queued prompt), Talaria's cheap staged switches kept every model in every round and it lost to
     h2d-only, whose slow switches got more slots deferred: SCT 466.1 / 578.2 s against 418.9 / 509.3
-    s, 74 switches against 47. With a P step's fixed cost part of opening a slot (and a queued call
-    priced as the P will run it): 318.5 / 430.4 s, h2d-only 395.9 / 524.7 s."""
+    s, 74 switches against 47. With a P step's fixed cost part of opening a slot (demand: the P as it
+    will run, and the longest output expected of the model's calls): 252.9 / 318.8 s, h2d-only 286.4
+    / 382.4 s."""
     from talaria.sim.simulation import profile_topology
 
     profile, trace = paper_tp8_first_calls()
