@@ -401,3 +401,11 @@ def test_a_prompt_that_could_never_fit_finishes_with_error_at_add():
     fits = seq(1, prompt(10, 31))
     b.add(fits)
     assert fits.finish is None and list(b.waiting) == [fits]
+
+
+def test_the_longest_output_expected_of_n_calls_is_the_n_over_n_plus_1_quantile_of_those_seen():
+    b = batcher()
+    assert b.longest_output(4) == 0  # none finished yet
+    for tokens in (50, 10, 40, 20, 30):
+        b._record_output(tokens)
+    assert [b.longest_output(n) for n in (0, 1, 2, 4, 100)] == [0, 30, 40, 50, 50]
