@@ -31,8 +31,7 @@ class PromptCosts:
         tails = [self.tail(model, b, seq) for seq in b.waiting]
         fixed = self.costs.prefill_fixed_s(model)
         steps = max(1, math.ceil(sum(todo for _, _, todo in tails) / max_batch_tokens))
-        work = sum(restore + self.costs.prefill_s(model, todo, cached, batched=True) for cached, restore, todo in tails)
-        return fixed, steps * fixed + work
+        return fixed, steps * fixed + sum(self._batched(model, *t) for t in tails)
 
     def tail(self, model: str, b: Batcher, seq: Sequence) -> tuple[int, float, int]:
         """(tokens whose KV it has or can reuse, seconds to restore those from host, tokens left to prefill)."""
@@ -44,7 +43,10 @@ class PromptCosts:
 
     def work(self, model: str, b: Batcher, seq: Sequence) -> float:
         """Its whole prefill as a chunk of a step that pays the fixed cost already: restore and tail."""
-        cached, restore, todo = self.tail(model, b, seq)
+        return self._batched(model, *self.tail(model, b, seq))
+
+    def _batched(self, model: str, cached: int, restore: float, todo: int) -> float:
+        """A `tail` as a chunk of a step that pays the fixed cost already."""
         return restore + self.costs.prefill_s(model, todo, cached, batched=True)
 
     def fit(self, model: str, b: Batcher, seq: Sequence, budget: float, tokens: int,
