@@ -155,7 +155,7 @@ class Arenas:
             probe = Executor(replace(config, arena_bytes=16 << 20, host_kv_bytes=0), files, TPGroup(0, config.tp))
             self._plans[key] = ([probe.substrate.layout.plan(f.name) for f in files], probe.substrate.slab_bytes)
         plans, slab = self._plans[key]
-        need = max(p.weights.end + p.runtime.size + (pages + 1) * p.page_bytes for p in plans)
+        need = max(p.weights.end + p.states.size + p.runtime.size + (pages + 1) * p.page_bytes for p in plans)
         return -(-need // 256) * 256 + 256, slab
 
 

@@ -36,6 +36,7 @@ from gpu_shapes import SHAPES, shape  # bench/gpu_shapes.py, beside this script
 from report import ProgressLog, environment, render, write_json  # bench/report.py
 
 from talaria.contracts.arch import ModelArch
+from talaria.contracts.kv_layout import kv_layout
 from talaria.contracts.step_plan import SeqChunk, StepPlan
 from talaria.executor import moe
 from talaria.executor.attention import AttentionMeta
@@ -137,9 +138,14 @@ class Layers:
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int) -> None:
         self.arch, self.device = arch, device
         self.model = build(arch, dtype, device)
-        shape = (pages + 1, *KVCache.page_shape(self.model.shard, PAGE_SIZE))
-        self.kv = KVCache(torch.randn(shape, device=device, dtype=dtype).mul_(0.1), PAGE_SIZE)
-        self.kv_item = self.kv.data.element_size()
+        layout = kv_layout(arch, 1, PAGE_SIZE, str(dtype).removeprefix("torch."))
+        self.kv = KVCache(torch.empty((pages + 1, layout.page_bytes), dtype=torch.uint8, device=device), layout)
+        for t in layout.tensors:  # random KV in every page but the null one, through the typed views
+            for i in t.layers:
+                self.kv.view(t.name, i)[:-1].normal_(0.0, 0.1)
+        # bytes one token adds to the cache of layer i
+        self.token_bytes = [sum(t.nbytes for t in layout.tensors if t.per_token and i in t.layers)
+                            for i in range(arch.num_layers)]
 
     def step(self, plan: StepPlan):
         meta = AttentionMeta.build(plan, PAGE_SIZE, self.kv.null_page, self.device)
@@ -164,10 +170,13 @@ class Layers:
         it = iter(seen)
         return [next(it) if self.arch.is_moe_layer(i) else None for i in range(self.arch.num_layers)]
 
-    def row(self, plan: StepPlan, kv_bytes: int, bandwidth: float, repeats: int) -> dict:
+    def row(self, plan: StepPlan, kv_tokens: int, bandwidth: float, repeats: int) -> dict:
+        """Timings of `plan`'s forward per layer against the floor of the bytes it moves: each layer's
+        weights and the KV of `kv_tokens` tokens it writes (prefill) or reads (decode)."""
         run = self.step(plan)
         experts = self.routed(run) if self.arch.is_moe else [None] * self.arch.num_layers
-        per_layer = [layer_bytes(lw, e) + kv_bytes for lw, e in zip(self.model.w.layers, experts)]
+        per_layer = [layer_bytes(lw, e) + kv_tokens * kv for lw, e, kv in zip(self.model.w.layers, experts,
+                                                                              self.token_bytes)]
         seconds = timed(run, self.device, repeats) / self.arch.num_layers
         floor = statistics.mean(per_layer) / bandwidth
         row = {"ms_per_layer": seconds * 1e3, "floor_ms_per_layer": floor * 1e3, "ratio": seconds / floor,
@@ -179,19 +188,18 @@ class Layers:
 
 def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device, sizes: dict,
             bandwidth: float, repeats: int, log) -> dict:
-    kv_token = 2 * arch.kv_size  # K and V elements per token per layer
     pages = max(math.ceil(sizes["prefill"] / PAGE_SIZE), max(sizes["batches"]) * math.ceil(sizes["context"] / PAGE_SIZE))
     log(f"{name}: building {arch.num_layers} layers on {device} ({dtype}), {pages} KV pages")
     layers = Layers(arch, dtype, device, pages)
     p = sizes["prefill"]
     log(f"{name}: prefill {p} tokens")
-    prefill = layers.row(prefill_plan(p), p * kv_token * layers.kv_item, bandwidth, repeats)
+    prefill = layers.row(prefill_plan(p), p, bandwidth, repeats)
     decode = []
     for b in sizes["batches"]:
         c = sizes["context"]
         log(f"{name}: decode batch {b} at context {c}")
         decode.append({"batch": b, "context": c,
-                       **layers.row(decode_plan(b, c), b * c * kv_token * layers.kv_item, bandwidth, repeats)})
+                       **layers.row(decode_plan(b, c), b * c, bandwidth, repeats)})
     dims = {k: getattr(arch, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
                                           "num_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     del layers

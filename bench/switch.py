@@ -51,11 +51,11 @@ from talaria.config.schema import (
     SyntheticShape,
 )
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
+from talaria.contracts.kv_layout import kv_layout
 from talaria.contracts.step_plan import MemoryOps
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.executor.driver import Driver, start_driver
 from talaria.executor.executor import Executor
-from talaria.executor.kv_cache import KVCache
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.substrate import DTYPES
 from talaria.executor.weights import weights_nbytes
@@ -95,7 +95,7 @@ def weight_bytes(files: ModelFiles) -> int:
 
 
 def page_bytes(files: ModelFiles) -> int:
-    return KVCache.page_bytes(Shard(0, 1, files.arch), PAGE_SIZE, DTYPES[files.dtype])
+    return kv_layout(files.arch, 1, PAGE_SIZE, files.dtype).page_bytes
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def serve_then_switch(core: Driver, a: str, b: str, run: int, steps: int | None,
 def restore_ops(core: Driver, nbytes: int, run: int) -> tuple[MemoryOps, int]:
     """Restores of nbytes of KV: active pages 0..N-1 from shuffled slabs, as a continuation's would be."""
     sub = core.executor.substrate
-    pb = sub.images[sub.active].page_bytes
+    pb = sub.images[sub.active].layout.page_bytes
     n = nbytes // pb
     if n > sub.plan.num_pages or n > sub.num_slabs:
         raise RuntimeError(f"--restore-mib needs {n} pages; the pool has {sub.plan.num_pages} and the host "

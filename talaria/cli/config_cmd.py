@@ -30,7 +30,8 @@ def config() -> None:
 @click.option("--files", "with_files", is_flag=True,
               help="Also run the checks `talaria up` runs: read each model's metadata (not its "
                    "weights), check tp against its heads, the GPUs of cuda instances, that each "
-                   "arena holds its largest model, and the ranks' host memory against RAM.")
+                   "arena holds its largest model, and the ranks' host memory against RAM; print "
+                   "each instance's cache sizes per model (KV page and state slot bytes per rank).")
 def check(file: Path | None, with_files: bool) -> None:
     """Validate FILE (default: the embedded config) and print a summary.
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from talaria.contracts.kv_layout import DTYPE_BYTES
+
 
 class Pool(str, Enum):
     HOT = "hot"  # one pinned model, continuous batching, never switches
@@ -72,8 +74,7 @@ class SpBatch(str, Enum):
     PAYS = "pays"  # shortest predicted work first, only if it brings more completion forward than it pushes back
 
 
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # the weight/KV dtypes we serve
-DTYPES = tuple(DTYPE_BYTES)
+DTYPES = tuple(DTYPE_BYTES)  # the weight/KV dtypes we serve
 
 
 @dataclass(frozen=True, slots=True)

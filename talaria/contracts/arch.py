@@ -110,10 +110,6 @@ class ModelArch:
         emb = self.vocab_size * h
         return self.num_layers * (attn + 2 * h) + mlps + emb * (1 if self.tie_word_embeddings else 2) + h
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes of K and V per token over all layers, unsharded."""
-        return 2 * self.num_layers * self.kv_size * itemsize
-
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         """The architecture of a HF config.json; UnsupportedArchitecture for a model_type we cannot run."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from talaria.contracts.kv_layout import KVLayout, sized_layout
 from talaria.contracts.step_plan import StepPlan
 from talaria.contracts.vocabulary import SwitchPath
 
@@ -79,13 +80,23 @@ class SwitchCost:
 
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
+    """One model's prices on this hardware, and the sizes of its cache: `layout` rebuilds the cache
+    descriptor from them, so the simulator and the router size and price exactly as the engine."""
+
     name: str  # the model's name in talaria.toml
     weights_bytes: int  # per rank
-    kv_bytes_per_token: int  # per rank, all layers, K and V
+    token_bytes: int  # per rank: every per-token cache tensor of every layer (KVLayout.token_bytes)
+    # per rank: one sequence's state slot (KVLayout.state_bytes); 0 = no per-sequence state. Keyword
+    # only, so that positional constructions of a stateless model stay as they were
+    state_bytes: int = field(default=0, kw_only=True)
     prefill: PrefillCurve
     decode: DecodeCurve
     switch: dict[SwitchPath, SwitchCost]  # by path: opening this model; missing paths allowed
     sources: dict[str, str] = field(default_factory=dict)  # key -> where the number comes from
+
+    def layout(self, page_size: int) -> KVLayout:
+        """This model's cache in pages of `page_size` tokens, known by its sizes alone."""
+        return sized_layout(page_size, self.token_bytes, self.state_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,18 +146,24 @@ class Profile:
     def decode_s(self, model: str, batch: int, context: int = 0) -> float:
         return self.model(model).decode.seconds(batch, context)
 
-    def restore_s(self, model: str, tokens: int) -> float:
-        """Copying `tokens` tokens of KV from host memory back to the device."""
-        return tokens * self.model(model).kv_bytes_per_token / self.bandwidth.restore
+    def restore_s(self, model: str, tokens: int, states: int = 0) -> float:
+        """Copying `tokens` tokens of KV and `states` state snapshots from host memory to the device."""
+        return self._nbytes(model, tokens, states) / self.bandwidth.restore
 
-    def save_s(self, model: str, tokens: int) -> float:
-        """Copying `tokens` tokens of KV from the device to host memory."""
-        return tokens * self.model(model).kv_bytes_per_token / self.bandwidth.d2h_bytes_per_s
+    def save_s(self, model: str, tokens: int, states: int = 0) -> float:
+        """Copying `tokens` tokens of KV and `states` state snapshots from the device to host memory."""
+        return self._nbytes(model, tokens, states) / self.bandwidth.d2h_bytes_per_s
+
+    def _nbytes(self, model: str, tokens: int, states: int) -> int:
+        # invariant: an int, divided once, so a stateless model's price is exactly tokens * token_bytes / rate
+        m = self.model(model)
+        return tokens * m.token_bytes + states * m.state_bytes
 
     def step_parts(self, plan: StepPlan, page_size: int) -> tuple[float, float, float]:
         """(prefill, restore, decode) seconds of one engine step: its prompt chunks as one batched
         prefill (the fixed cost once, then each chunk's own), its host KV restores (`page_size` tokens
-        each) before the forward, and its decode chunks as one decode step."""
+        each, and a state slot each state restore) before the forward, and its decode chunks as one
+        decode step."""
         prefill, restore, decode, context, first = 0.0, 0.0, 0, 0, True
         for c in plan.chunks:
             if c.decode:
@@ -155,8 +172,8 @@ class Profile:
             else:
                 prefill += self.prefill_s(plan.model, len(c.token_ids), c.start_pos, batched=not first)
                 first = False
-        if plan.ops is not None and plan.ops.restores:
-            restore = self.restore_s(plan.model, len(plan.ops.restores) * page_size)
+        if plan.ops is not None and (plan.ops.restores or plan.ops.state_restores):
+            restore = self.restore_s(plan.model, len(plan.ops.restores) * page_size, len(plan.ops.state_restores))
         return prefill, restore, self.decode_s(plan.model, decode, context)
 
     def step_s(self, plan: StepPlan, page_size: int) -> float:

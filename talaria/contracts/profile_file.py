@@ -34,6 +34,7 @@ from talaria.contracts.profile import (
 from talaria.contracts.vocabulary import SwitchPath
 
 _MISSING = object()
+LEGACY_TOKEN_BYTES = "kv_bytes_per_token"  # `token_bytes` in files written before the cache layout descriptor
 
 
 class _Table:
@@ -130,8 +131,8 @@ def parse_profile(text: str, origin: str = "<profile>") -> Profile:
 
 
 def _parse_model(models: _Table, name: str) -> ModelProfile:
-    t = models.sub(name, ("weights_bytes", "kv_bytes_per_token", "prefill", "decode", "switch",
-                          "sources"))
+    t = models.sub(name, ("weights_bytes", "token_bytes", "state_bytes", LEGACY_TOKEN_BYTES, "prefill",
+                          "decode", "switch", "sources"))
     pre = t.sub("prefill", ("base_s", "per_token_s", "per_token_context_s"))
     dec = t.sub("decode", ("base_s", "per_seq_s", "per_context_token_s"))
     paths = t.sub("switch", tuple(p.value for p in SwitchPath), noun="switch path", optional=True)
@@ -147,12 +148,21 @@ def _parse_model(models: _Table, name: str) -> ModelProfile:
         switch[SwitchPath(path)] = SwitchCost(SwitchPath(path), tuple(phase.number(p) for p in PHASE_NAMES))
     return ModelProfile(
         name=name, weights_bytes=t.count("weights_bytes"),
-        kv_bytes_per_token=t.count("kv_bytes_per_token"),
+        token_bytes=_token_bytes(t), state_bytes=t.count("state_bytes") if "state_bytes" in t.raw else 0,
         prefill=PrefillCurve(pre.number("base_s"), pre.number("per_token_s"),
                              pre.number("per_token_context_s", 0.0)),
         decode=DecodeCurve(dec.number("base_s"), dec.number("per_seq_s"),
                            dec.number("per_context_token_s", 0.0)),
         switch=switch, sources=t.sources())
+
+
+def _token_bytes(t: _Table) -> int:
+    """`token_bytes`, or the key files written before the cache layout descriptor used for it."""
+    if LEGACY_TOKEN_BYTES in t.raw:
+        if "token_bytes" in t.raw:
+            t.fail(LEGACY_TOKEN_BYTES, "is the old name of token_bytes, which is given too; keep one")
+        return t.count(LEGACY_TOKEN_BYTES)
+    return t.count("token_bytes")
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -180,7 +190,7 @@ def dump_profile(profile: Profile) -> str:
         head["sources"] = dict(profile.sources)
     models = {}
     for name, m in profile.models.items():
-        t = {"weights_bytes": m.weights_bytes, "kv_bytes_per_token": m.kv_bytes_per_token,
+        t = {"weights_bytes": m.weights_bytes, "token_bytes": m.token_bytes, "state_bytes": m.state_bytes,
              "prefill": asdict(m.prefill), "decode": asdict(m.decode)}
         if m.switch:
             t["switch"] = {p.value: {"phase_s": list(c.phase_s)} for p, c in m.switch.items()}

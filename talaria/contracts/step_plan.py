@@ -22,6 +22,7 @@ class SeqChunk:
     prefix: tuple[int, ...] = ()
     decode: bool = False  # one generated token fed back (a decode step), not a prompt chunk: how it is priced
     root: int = 0  # where its page-hash chain starts (page_manager.chain_root of its call's salt)
+    state_slot: int = -1  # its live per-sequence state in the arena's state region (-1: the layout has none)
 
     @property
     def context_len(self) -> int:
@@ -51,6 +52,7 @@ class SaveOp:
     ticket: int  # the registry ticket these copies fill
     seq_id: int  # whose KV: every rank reports its own committed prefix of it for the agreement
     copies: tuple[tuple[int, int], ...]  # (device page, host slab)
+    states: tuple[tuple[int, int], ...] = ()  # (device state slot, host state slab): a snapshot saved too
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,13 @@ class MemoryOps:
 
     staged: bool = False  # the previous staging copy finished on rank 0: finish it here too
     poison: tuple[int, ...] = ()  # pages freed, evicted or dirtied: NaN them (poison mode)
+    # per-sequence states (stateful layouts), before the forward and before the page restores, in
+    # this order: copies in list order (a live state into a snapshot slot after a page boundary, a
+    # snapshot into the live slot of a sequence resuming from it), then zeroing (a sequence starting
+    # from its first token), then host state restores
+    state_copies: tuple[tuple[int, int], ...] = ()  # (source slot, destination slot)
+    state_zero: tuple[int, ...] = ()  # live slots of sequences that start from the first token
+    state_restores: tuple[tuple[int, int], ...] = ()  # (host state slab, device state slot)
     restores: tuple[tuple[int, int], ...] = ()  # (host slab, device page), before the forward
     saves: tuple[SaveOp, ...] = ()  # device -> host, asynchronous
     agree: tuple[tuple[int, int], ...] = ()  # (ticket, seq_id): copies done on rank 0; every rank reports
@@ -67,7 +76,7 @@ class MemoryOps:
 
     def __bool__(self) -> bool:
         return bool(self.staged or self.poison or self.restores or self.saves or self.agree or self.stage
-                    or self.forget)
+                    or self.forget or self.state_copies or self.state_zero or self.state_restores)
 
 
 @dataclass(frozen=True, slots=True)

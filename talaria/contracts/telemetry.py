@@ -70,6 +70,11 @@ class InstanceStats:
     time: float = 0.0  # node monotonic clock when the snapshot was taken
     page_size: int = 16  # tokens per KV page (kv_pages_* count these)
     cost_scale: dict[str, float] = field(default_factory=dict)  # "model/kind" -> EWMA of measured / profile-priced
+    # per served model, from its cache layout on one rank (talaria/contracts/kv_layout.py); empty in
+    # snapshots from before the layout descriptor
+    page_bytes: dict[str, int] = field(default_factory=dict)  # one KV page: every per-token tensor, every layer
+    state_bytes: dict[str, int] = field(default_factory=dict)  # one per-sequence state slot; 0 = no state
+    state_slots: dict[str, int] = field(default_factory=dict)  # state slots its arena region holds; 0 = none
 
 
 def stats_from_dict(data: dict) -> InstanceStats:

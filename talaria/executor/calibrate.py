@@ -162,9 +162,8 @@ def _with_switch(profile: ModelProfile, record: SwitchRecord | None) -> ModelPro
     cost = SwitchCost(path, tuple(ms / 1000 for ms in slowest.phase_ms))
     how = "a full H2D open" if path is SwitchPath.H2D_ONLY else \
         f"an open with {slowest.staged_bytes} of {slowest.total_bytes} weight bytes staged"
-    return ModelProfile(profile.name, profile.weights_bytes, profile.kv_bytes_per_token, profile.prefill,
-                        profile.decode, {**profile.switch, path: cost},
-                        {**profile.sources, f"switch.{path.value}": f"measured: {how} at calibration"})
+    return dataclasses.replace(profile, switch={**profile.switch, path: cost},
+                               sources={**profile.sources, f"switch.{path.value}": f"measured: {how} at calibration"})
 
 
 def _model_profile(executor: Executor, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
@@ -190,10 +189,9 @@ def _model_profile(executor: Executor, name: str, probes: Probes, record: Switch
             seconds = _time(executor, probes, [_chunk(executor, i * per_seq, ctx, 1, seq=i) for i in range(batch)])
             decode.append((batch, batch * (ctx + 1), seconds))
     image = sub.images[name]
-    kv_per_token = image.page_bytes // ps
     measured = "measured: start-up probes through the engine group, fastest of runs"
-    profile = ModelProfile(name, image.nbytes, kv_per_token, fit_prefill(prefill), fit_decode(decode), {},
-                           {"prefill": measured, "decode": measured})
+    profile = ModelProfile(name, image.nbytes, image.layout.token_bytes, fit_prefill(prefill), fit_decode(decode),
+                           {}, {"prefill": measured, "decode": measured}, state_bytes=image.layout.state_bytes)
     return _with_switch(profile, record)
 
 
@@ -234,7 +232,7 @@ def _restore_rate(executor: Executor, probes: Probes) -> float | None:
         t0 = time.perf_counter()
         executor.run(plan)
         best = min(best, time.perf_counter() - t0)
-    return pages * sub.images[sub.active].page_bytes / best
+    return pages * sub.images[sub.active].layout.page_bytes / best
 
 
 def _bandwidth(device: torch.device, nbytes: int) -> Bandwidth:

@@ -47,7 +47,7 @@ class Executor:
 
     def served_models(self) -> list[ServedModel]:
         """What the instance's policy needs to know of each model, from this rank's shard."""
-        return [ServedModel(name, img.nbytes, img.page_bytes, img.files.arch.max_position,
+        return [ServedModel(name, img.nbytes, img.layout, img.files.arch.max_position,
                             img.files.arch.eos_token_ids) for name, img in self.substrate.images.items()]
 
     # ---- rank 0 ----------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class Executor:
 
         def teardown() -> None:
             nonlocal reports
-            self.substrate.before_step(MemoryOps(saves=plan.ops.saves))
+            self.substrate.before_step(MemoryOps(state_copies=plan.ops.state_copies, saves=plan.ops.saves))
             reports = self._agree(plan.ops.agree)
         record = self.substrate.activate(plan.model, plan.gather, teardown)
         records = self.group.gather_objects(record)

@@ -1,38 +1,48 @@
-"""The paged KV pool of one model on one rank: a view into the arena, page-major.
+"""The cache of one model on one rank: typed views into the arena's page pool and state region.
 
-Each page is one contiguous run of bytes holding K and V of `page_size` tokens for every layer,
-(layers, K|V, page_size, kv_heads, head_dim), so a page moves to and from host memory, or gives way
-to a staged weight chunk, as one byte range. One extra page at the end is the null page: all
-zeros, never allocated, the target of attention padding.
+Both are raw bytes laid out as the model's `KVLayout` (talaria/contracts/kv_layout.py) says: a page
+is one contiguous run holding `page_size` tokens of every per-token tensor of every layer, so a page
+moves to and from host memory, or gives way to a staged weight chunk, as one byte range; a state
+slot is one contiguous run holding a sequence's per-sequence tensors. One extra page at the end is
+the null page: all zeros, never allocated, the target of attention padding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from talaria.executor.parallel import Shard
+from talaria.contracts.kv_layout import KVLayout
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "uint8": torch.uint8}
 
 
 class KVCache:
-    def __init__(self, data: torch.Tensor, page_size: int) -> None:
-        """data: (num_pages + 1, layers, 2, page_size, kv_heads, head_dim), the last page null."""
-        self.data = data
-        self.page_size = page_size
-        self.num_pages = data.shape[0] - 1
+    def __init__(self, pages: torch.Tensor, layout: KVLayout, states: torch.Tensor | None = None) -> None:
+        """pages: uint8 (num_pages + 1, page_bytes), the last page null; states: uint8
+        (num_state_slots, state_bytes), or None when the layout keeps no per-sequence state."""
+        self.pages = pages
+        self.states = states
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.num_pages = pages.shape[0] - 1
         self.null_page = self.num_pages
-        data[self.null_page].zero_()
+        pages[self.null_page].zero_()
+        # the views, made once: a forward asks for every layer's at every step
+        self._views = {(t.name, i): self._view(t, i) for t in layout.tensors for i in t.layers
+                       if t.per_token or states is not None}
 
-    @staticmethod
-    def page_shape(shard: Shard, page_size: int) -> tuple[int, ...]:
-        return (shard.arch.num_layers, 2, page_size, shard.kv_heads, shard.arch.head_dim)
+    def _view(self, t, layer: int) -> torch.Tensor:
+        at = self.layout.offsets[(t.name, layer)]
+        rows, per = (self.pages, self.page_size) if t.per_token else (self.states, 1)
+        typed = rows[:, at:at + t.nbytes * per].view(TORCH_DTYPES[t.dtype])  # last dim contiguous
+        return typed.view(rows.shape[0], *((per,) if t.per_token else ()), *t.shape)
 
-    @staticmethod
-    def page_bytes(shard: Shard, page_size: int, dtype: torch.dtype) -> int:
-        n = torch.tensor([], dtype=dtype).element_size()
-        for d in KVCache.page_shape(shard, page_size):
-            n *= d
-        return n
+    def view(self, name: str, layer: int) -> torch.Tensor:
+        """Tensor `name` of `layer`: (num_pages + 1, page_size, *shape) per token, or
+        (num_state_slots, *shape) per sequence; a strided view of the bytes, no copy."""
+        return self._views[(name, layer)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer i: (num_pages + 1, page_size, kv_heads, head_dim) strided views."""
-        return self.data[:, i, 0], self.data[:, i, 1]
+        return self.view("k", i), self.view("v", i)

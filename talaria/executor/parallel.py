@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from talaria.contracts.arch import ModelArch
+from talaria.contracts.kv_layout import kv_heads_per_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class Shard:
 
     @property
     def kv_heads(self) -> int:
-        return max(1, self.arch.num_kv_heads // self.size)
+        return kv_heads_per_rank(self.arch, self.size)
 
     @property
     def head_range(self) -> tuple[int, int]:

@@ -18,7 +18,7 @@ def run_step(model: LlamaModel, kv: KVCache, plan: StepPlan) -> torch.Tensor | N
         pos.extend(range(c.start_pos, c.context_len))
         if c.sample:
             sample_rows.append(len(ids) - 1)
-    dev = kv.data.device
+    dev = kv.pages.device
     meta = AttentionMeta.build(plan, kv.page_size, kv.null_page, dev)
     hidden = model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, kv)
     if not sample_rows:

@@ -18,7 +18,8 @@ from itertools import pairwise
 import torch
 
 from talaria.config.schema import InstanceConfig
-from talaria.contracts.step_plan import MemoryOps
+from talaria.contracts.kv_layout import kv_layout
+from talaria.contracts.step_plan import MemoryOps, SaveOp
 from talaria.executor.arena import Arena, align_up
 from talaria.executor.checkpoint import print_progress
 from talaria.executor.kv_cache import KVCache
@@ -26,6 +27,7 @@ from talaria.executor.llama import LlamaModel
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.weights import load_weights, rebind, weights_nbytes
 from talaria.memory.bump_layout import ALIGN, Bases, BumpLayout, LayoutPlan
+from talaria.memory.host_kv_registry import SlabPools
 from talaria.memory.stager import GatherPlan
 from talaria.memory.switch_record import RankSwitchRecord
 from talaria.models.source import ModelFiles
@@ -81,8 +83,7 @@ class ModelImage:
         progress = print_progress(f"talaria: loading {files.name}") if group.rank == 0 and big else None
         self.weights = load_weights(files.directory, self.shard, self.host, self.dtype, progress)
         self.nbytes = self.host.used_low
-        self.page_shape = KVCache.page_shape(self.shard, page_size)
-        self.page_bytes = KVCache.page_bytes(self.shard, page_size, self.dtype)
+        self.layout = kv_layout(files.arch, group.size, page_size, files.dtype)  # its cache on this rank
         self.runtime_bytes = runtime_bytes(files)
         self.rope_bytes = self.runtime_bytes // 2  # cos, then sin
 
@@ -106,13 +107,16 @@ class Substrate:
         self._rope_at: dict[str, int] = {}
         offset = self.arena.nbytes - runtime
         for name, img in self.images.items():
-            self.layout.register(name, img.nbytes, img.page_bytes)
+            self.layout.register(name, img.nbytes, img.layout, img.layout.state_slots(instance.max_running))
             self._rope_at[name] = offset
             offset += img.runtime_bytes
-        self.slab_bytes = max(img.page_bytes for img in self.images.values())
-        self.num_slabs = instance.host_kv_bytes // self.slab_bytes
-        self.slabs = Arena(max(1, self.num_slabs) * self.slab_bytes, "cpu", pin=cuda).bytes(
-            0, max(1, self.num_slabs) * self.slab_bytes).view(-1, self.slab_bytes)
+        # host KV: page slabs and state slabs, each sized for the largest model's (HostKVRegistry)
+        pools = SlabPools.of(instance.host_kv_bytes, [self.layout.plan(name) for name in self.images])
+        self.slab_bytes, self.num_slabs = pools.page_bytes, pools.pages
+        pages = max(1, pools.pages) * pools.page_bytes  # one page slab at least: copies index it
+        host = Arena(pages + pools.states * pools.state_bytes, "cpu", pin=cuda)
+        self.slabs = host.bytes(0, pages).view(-1, pools.page_bytes)
+        self.state_slabs = host.bytes(pages, host.nbytes).view(-1, pools.state_bytes) if pools.states else None
         # D2H saves and staging copies run beside serving, on one core: a second full OpenMP team
         # would fight the forward's for the same cores (and keeps spinning after it is done)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="talaria-copy", initializer=_bind_copy_thread,
@@ -123,7 +127,6 @@ class Substrate:
         self.plan: LayoutPlan | None = None
         self.model: LlamaModel | None = None
         self.kv: KVCache | None = None
-        self.kv_bytes: torch.Tensor | None = None  # the same pool as raw page rows, for host copies
         self._models: dict[str, tuple[LlamaModel, Bases]] = {}  # cached runtime state per model
         self._saves: dict[int, Future] = {}  # ticket -> D2H copy in flight
         self._staging: Future | None = None
@@ -134,32 +137,40 @@ class Substrate:
         if ops.staged and self._staging is not None:
             self._staging.result()
             self._staging = None
-        if self.poison and ops.poison:
-            self.kv.data.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), float("nan"))
+        if self.poison and ops.poison:  # 0xFF bytes are NaN in every float dtype
+            self.kv.pages.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), 0xFF)
+        states = self.kv.states
+        for src, dst in ops.state_copies:  # in order: a snapshot is taken before its slot is reused
+            states[dst].copy_(states[src])
+        if ops.state_zero:
+            states.index_fill_(0, torch.tensor(ops.state_zero, device=self.arena.device), 0)
+        if ops.state_restores:
+            self._restore(states, self.state_slabs, ops.state_restores)
         if ops.restores:
-            self._restore(ops.restores)
+            self._restore(self.kv.pages, self.slabs, ops.restores)
         for save in ops.saves:
             written = self._compute_done()
-            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv_bytes, save.copies, written)
+            self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv, save, written)
 
-    def _restore(self, restores: tuple[tuple[int, int], ...]) -> None:
-        """slab -> page. CPU: one gather per run of consecutive pages, straight into them (a single
-        pass over the bytes, the slabs anywhere). CUDA: pinned host -> device on the copy stream, one
-        copy per block consecutive on both sides (slabs are taken lowest-first and fresh pages are
-        mostly consecutive, so a prefix is mostly one block), ordered by events, with no host wait."""
-        pb = self.kv_bytes.shape[1]
+    def _restore(self, rows: torch.Tensor, slabs: torch.Tensor, restores: tuple[tuple[int, int], ...]) -> None:
+        """slab -> row (a page, or a state slot). CPU: one gather per run of consecutive rows,
+        straight into them (a single pass over the bytes, the slabs anywhere). CUDA: pinned host ->
+        device on the copy stream, one copy per block consecutive on both sides (slabs are taken
+        lowest-first and fresh pages are mostly consecutive, so a prefix is mostly one block),
+        ordered by events, with no host wait."""
+        pb = rows.shape[1]
         if self._copy_stream is None:
-            for page, slabs in _gathers(restores):
-                torch.index_select(self.slabs[:, :pb], 0, torch.tensor(slabs), out=self.kv_bytes[page:page + len(slabs)])
+            for row, srcs in _gathers(restores):
+                torch.index_select(slabs[:, :pb], 0, torch.tensor(srcs), out=rows[row:row + len(srcs)])
             return
-        # a smaller model's pages in slabs sized for the largest are strided: one row per copy
-        runs = copy_runs(restores, single=pb < self.slabs.shape[1])
-        # invariant: the copies write the pages after every step queued so far (one may still read
+        # a smaller model's rows in slabs sized for the largest are strided: one row per copy
+        runs = copy_runs(restores, single=pb < slabs.shape[1])
+        # invariant: the copies write the rows after every step queued so far (one may still read
         # a page freed since) and the next forward reads them only after the copies
         self._copy_stream.wait_event(self._compute_done())
         with torch.cuda.stream(self._copy_stream):
-            for slab, page, n in runs:
-                self.kv_bytes[page:page + n].copy_(self.slabs[slab:slab + n, :pb], non_blocking=True)
+            for slab, row, n in runs:
+                rows[row:row + n].copy_(slabs[slab:slab + n, :pb], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         torch.cuda.current_stream(self.arena.device).wait_event(copied)
@@ -172,18 +183,25 @@ class Substrate:
         event.record()
         return event
 
-    def _copy_out(self, kv_bytes: torch.Tensor, copies: tuple[tuple[int, int], ...], written) -> None:
-        """page -> slab; slabs come lowest-first, so mostly one gather per save."""
-        pb = kv_bytes.shape[1]
-        if kv_bytes.is_cuda:  # device -> pinned host on a side stream, once the K/V writes landed
+    def _copy_out(self, kv: KVCache, save: SaveOp, written) -> None:
+        """Pages -> page slabs and snapshots -> state slabs; slabs come lowest-first, so mostly one
+        gather per save."""
+        parts = [(kv.pages, self.slabs, save.copies)]
+        if save.states:
+            parts.append((kv.states, self.state_slabs, save.states))
+        if kv.pages.is_cuda:  # device -> pinned host on a side stream, once the cache writes landed
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(written)
-                for page, slab, n in copy_runs(copies, single=pb < self.slabs.shape[1]):
-                    self.slabs[slab:slab + n, :pb].copy_(kv_bytes[page:page + n], non_blocking=True)
+                for rows, slabs, copies in parts:
+                    pb = rows.shape[1]
+                    for row, slab, n in copy_runs(copies, single=pb < slabs.shape[1]):
+                        slabs[slab:slab + n, :pb].copy_(rows[row:row + n], non_blocking=True)
             self._copy_stream.synchronize()  # this stream only: the save is on the host when its future is done
             return
-        for slab, pages in _gathers(copies):
-            torch.index_select(kv_bytes, 0, torch.tensor(pages), out=self.slabs[slab:slab + len(pages), :pb])
+        for rows, slabs, copies in parts:
+            pb = rows.shape[1]
+            for slab, srcs in _gathers(copies):
+                torch.index_select(rows, 0, torch.tensor(srcs), out=slabs[slab:slab + len(srcs), :pb])
 
     def wait_save(self, ticket: int) -> None:
         """Block until this rank's D2H copies of the ticket are done (before reporting on it)."""
@@ -237,12 +255,14 @@ class Substrate:
             self.arena.bytes(dst.start, dst.end).copy_(image.host.bytes(src.start, src.end))
         self._sync()
         marks.append(time.perf_counter())
-        plan = self.layout.activate(name)  # 3: the KV shell in the gap
-        data = self.arena.view_at(plan.kv.start, (plan.num_pages + 1, *image.page_shape), image.dtype)
+        plan = self.layout.activate(name)  # 3: the KV shell in the gap, the state slots below it
         if self.poison:
-            self.arena.bytes(plan.kv.start, plan.kv.end).view(torch.uint8).fill_(0xFF)  # NaN in any float
-        self.kv = KVCache(data, self.instance.page_size)
-        self.kv_bytes = data.view(plan.num_pages + 1, -1).view(torch.uint8)  # (pages, page bytes)
+            self.arena.bytes(plan.states.start, plan.kv.end).view(torch.uint8).fill_(0xFF)  # NaN in any float
+        pages = self.arena.bytes(plan.kv.start, plan.kv.start + (plan.num_pages + 1) * plan.page_bytes)
+        states = self.arena.bytes(plan.states.start, plan.states.start + plan.num_state_slots * plan.state_bytes) \
+            if plan.num_state_slots else None
+        self.kv = KVCache(pages.view(plan.num_pages + 1, plan.page_bytes), image.layout,
+                          states.view(plan.num_state_slots, plan.state_bytes) if states is not None else None)
         marks.append(time.perf_counter())
         bases = self.layout.bases(name)  # 4: runtime state, rebuilt only if its addresses moved
         cached = self._models.get(name)

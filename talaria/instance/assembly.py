@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from talaria.config.schema import Ablation, InstanceConfig, Pool
+from talaria.contracts.kv_layout import KVLayout
 from talaria.contracts.profile import Profile
 from talaria.contracts.step_plan import SwitchPlan
 from talaria.instance.batcher import Batcher
@@ -24,7 +25,7 @@ from talaria.instance.round_scheduler import RoundScheduler
 from talaria.instance.rounds import RoundConfig
 from talaria.instance.scheduler import Scheduler
 from talaria.memory.bump_layout import ALIGN, BumpLayout
-from talaria.memory.host_kv_registry import HostKVRegistry
+from talaria.memory.host_kv_registry import HostKVRegistry, SlabPools
 from talaria.memory.page_manager import PageManager
 from talaria.memory.stager import Stager
 
@@ -35,9 +36,14 @@ class ServedModel:
 
     name: str
     weights_bytes: int  # per rank: the bytes a switch opens
-    page_bytes: int  # one KV page, per rank; host KV slabs hold the largest model's page
+    layout: KVLayout  # its cache on one rank: page and state bytes, the resume rule
     max_context: int  # tokens a sequence may reach, prompt and output together
     eos_token_ids: tuple[int, ...]  # end a sequence (unless the call ignores EOS)
+
+    @property
+    def page_bytes(self) -> int:
+        """One KV page, per rank; host KV slabs hold the largest model's page."""
+        return self.layout.page_bytes
 
 
 def new_stager(config: InstanceConfig, models: int) -> Stager | None:
@@ -59,13 +65,18 @@ def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[Served
     round configuration, when not the one `config` asks for (tests)."""
     ps = config.page_size
     weights = {m.name: m.weights_bytes for m in models}
-    slab_bytes = max(m.page_bytes for m in models)
-    slabs = config.host_kv_bytes // slab_bytes if config.enabled(Ablation.HKVR) else 0
-    host = HostKVRegistry(slabs, slab_bytes) if slabs else None
+    layouts = {m.name: m.layout for m in models}
+    pools = SlabPools.of(config.host_kv_bytes, [layout.plan(m.name) for m in models])
+    host = HostKVRegistry(pools.pages, pools.page_bytes, pools.states, pools.state_bytes, layouts) \
+        if pools.pages and config.enabled(Ablation.HKVR) else None
     stager = new_stager(config, len(models))
-    memory = MemoryPlanner(layout, weights, ps, host, stager, config.debug_poison, copies)
-    batchers = {m.name: Batcher(m.name, PageManager(layout.plan(m.name).num_pages, ps), config.max_batch_tokens,
-                                config.max_running, m.max_context, m.eos_token_ids, host) for m in models}
+    memory = MemoryPlanner(layout, weights, ps, host, stager, config.debug_poison, copies, layouts)
+    batchers = {}
+    for m in models:
+        plan = layout.plan(m.name)
+        pages = PageManager(plan.num_pages, ps, layout=m.layout, state_slots=plan.num_state_slots)
+        batchers[m.name] = Batcher(m.name, pages, config.max_batch_tokens, config.max_running, m.max_context,
+                                   m.eos_token_ids, host)
     costs = CostModel(profile, ps, alpha=EWMA_ALPHA if learn else 0.0)
     build_rounds = None
     if config.pool is Pool.COLD or len(models) > 1:

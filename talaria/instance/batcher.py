@@ -12,6 +12,10 @@ followers after the leader's pages are cached): 8 SmolLM2 requests with a 512-to
 and 64-token tails, arriving together with max_batch_tokens 1024, reached their first token in
 1.94 s against 2.99 s with the rule patched out (medians of 3 alternations, 2 threads). Hot
 instances plan here; a cold instance's P phase (round_scheduler.py) does not follow yet.
+A model whose cache keeps a per-sequence state resumes only where a state snapshot was published
+(the layout's resume rule, `_resume`): its prompt chunks end on page boundaries, a snapshot of its
+live state is published at every page boundary it reaches, and a release saves the latest one to
+host with its pages.
 When the KV pool cannot grow a decoding sequence, the newest running sequence is preempted: its
 pages are released (their published prefix stays cached) and it is recomputed later from its
 prompt plus the tokens it had generated, which greedy decoding reproduces exactly.
@@ -25,7 +29,8 @@ from collections import deque
 from talaria.contracts.call import FinishReason
 from talaria.contracts.step_plan import SaveOp, SeqChunk, StepPlan
 from talaria.instance.sequence import SeqStatus, Sequence
-from talaria.memory.host_kv_registry import HostKVRegistry
+from talaria.instance.state_ops import StateOps, snapshot_at
+from talaria.memory.host_kv_registry import HostKVRegistry, Kind
 from talaria.memory.page_manager import PageManager
 
 OUTPUTS_KEPT = 1024  # finished calls whose output lengths predict the next ones (a memory bound)
@@ -42,6 +47,8 @@ class Batcher:
         self.saves: list[SaveOp] = []  # host checkpoints decided since the last step
         self.restores: list[tuple[int, int]] = []  # (slab, page) restores decided since the last step
         self.pinned_pages: dict[int, list[int]] = {}  # ticket -> device pages its D2H copy reads
+        self.pinned_states: dict[int, list[int]] = {}  # ticket -> device snapshot slots its D2H copy reads
+        self.states = StateOps(model, host)  # per-sequence state moves of a stateful cache, for the next step
         self._restoring: list[int] = []  # host slabs pinned by restores in the current step
         self.restored: list[tuple[Sequence, int]] = []  # (sequence, tokens) restored, for the event log
         self.restored_tokens = 0
@@ -119,7 +126,7 @@ class Batcher:
         if not computing:
             return None
         usable = self._usable(seq)
-        cached = len(self.pages.match_prefix(usable))
+        cached = len(self.pages.resume_prefix(usable))
         if cached == len(usable) or usable[cached] not in computing:
             return None
         shared = cached
@@ -160,17 +167,40 @@ class Batcher:
         """The next `budget` (at most) uncomputed tokens of `seq`; `admitted`: its first chunk since
         admission; `decode`: the generated token fed back (priced as a decode step, not a prefill)."""
         start = seq.num_computed
-        n = min(seq.num_uncomputed, budget)
+        n = self.chunk_tokens(seq, start, min(seq.num_uncomputed, budget))
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:start + n]), start,
                         tuple(seq.page_table), start + n == len(seq.token_ids),
-                        tuple(seq.token_ids[:start]) if admitted else (), decode, seq.root)
+                        tuple(seq.token_ids[:start]) if admitted else (), decode, seq.root, seq.state_slot)
 
-    def reusable(self, seq: Sequence) -> tuple[int, int]:
-        """(device pages, host pages) of `seq`'s prompt prefix this instance holds: no side effects."""
+    def chunk_tokens(self, seq: Sequence, start: int, n: int) -> int:
+        """How many of the `n` tokens of `seq` from `start` one prompt chunk computes: all of them, or
+        with a stateful cache, those up to the last page boundary among them (a state snapshot is
+        taken there), unless they end the prompt or hold no boundary."""
+        end = start + n
+        if self.pages.stateful and end < len(seq.token_ids) and end // self.pages.page_size * self.pages.page_size > start:
+            return end // self.pages.page_size * self.pages.page_size - start
+        return n
+
+    def reusable(self, seq: Sequence) -> tuple[int, int, int]:
+        """(device pages, host pages, host states) of `seq`'s prompt prefix this instance holds and it
+        may resume from: no side effects. Host states is 1 when its state snapshot comes from host
+        (a stateful cache whose snapshot is not on the device), else 0."""
         usable = self._usable(seq)
+        on_device, n = self._resume(usable)
+        where = snapshot_at(self.pages, self.host, self.model, usable[n - 1]) if n and self.pages.stateful else None
+        return min(on_device, n), max(0, n - on_device), int(where is not None and not where[0])
+
+    def _resume(self, usable: list[int]) -> tuple[int, int]:
+        """(pages of `usable` cached on the device, pages a sequence may resume from): the longest
+        prefix on the device, or on the device then the host, cut by the layout's resume rule to a
+        snapshot published on either."""
         on_device = len(self.pages.match_prefix(usable))
         on_host = len(self.host.peek(self.model, usable)) if self.host is not None else 0
-        return on_device, max(0, on_host - on_device)
+        n = max(on_device, on_host)
+        if self.pages.stateful:
+            n = self.pages.layout.resume_pages(
+                n, lambda k: snapshot_at(self.pages, self.host, self.model, usable[k - 1]) is not None)
+        return on_device, n
 
     def _reserve_slot(self, seq: Sequence, planned: set[int]) -> bool:
         """Make room for one more token of a decoding sequence, preempting if needed."""
@@ -200,14 +230,17 @@ class Batcher:
         if len(self.running) + held_seqs >= self.max_running:
             return False
         usable = self._usable(seq)
-        cached = self.pages.match_prefix(usable)
+        _, resume = self._resume(usable)
+        cached = self.pages.match_prefix(usable)[:resume]
         newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
         need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
         if need + newly_referenced + held_pages > self.pages.num_free:
             return False
+        if self.pages.stateful and not self.states.take(self.pages, seq, usable[resume - 1] if resume else None):
+            return False
         self.pages.acquire(cached)
         fresh = self.pages.allocate(need)
-        slabs = self.host.match(self.model, usable)[len(cached):] if self.host is not None else []
+        slabs = self.host.match(self.model, usable[:resume])[len(cached):] if self.host is not None else []
         for i, (slab, page) in enumerate(zip(slabs, fresh)):  # the host holds more of the prefix
             self.restores.append((slab, page))
             self.pages.publish(page, usable[len(cached) + i])
@@ -235,22 +268,42 @@ class Batcher:
         return True
 
     def _release(self, seq: Sequence) -> None:
-        """Return a sequence's pages; with HKVR, first checkpoint its computed full pages to host."""
+        """Return a sequence's pages and state slot; with HKVR, first checkpoint its computed full
+        pages to host, and its latest state snapshot with them."""
         full = seq.num_computed // self.pages.page_size
         if self.host is not None and full:
-            ticket = self.host.begin_save(self.model, self._hash_chain(seq)[:full])
+            chain = self._hash_chain(seq)[:full]
+            state_after = len(self.pages.resume_prefix(chain)) if self.pages.stateful else 0
+            ticket = self.host.begin_save(self.model, chain, state_after)
             if ticket is not None:
-                copies = tuple((seq.page_table[e.page_index], e.slab) for e in ticket.entries)
+                copies = tuple((seq.page_table[e.page_index], e.slab) for e in ticket.entries if e.kind is Kind.PAGE)
+                states = tuple((self.pages.snapshot(chain[e.page_index]), e.slab) for e in ticket.entries
+                               if e.kind is Kind.STATE)
                 self.pages.pin([p for p, _ in copies])  # invariant: not reused until the D2H is done
                 self.pinned_pages[ticket.ticket_id] = [p for p, _ in copies]
-                self.saves.append(SaveOp(ticket.ticket_id, seq.seq_id, copies))
+                for slot, _ in states:
+                    self.pages.pin_state(slot)
+                if states:
+                    self.pinned_states[ticket.ticket_id] = [slot for slot, _ in states]
+                self.saves.append(SaveOp(ticket.ticket_id, seq.seq_id, copies, states))
         self.pages.release(seq.page_table)
+        if seq.state_slot >= 0:
+            self.pages.free_state(seq.state_slot)
+            seq.state_slot = -1
+
+    def saved(self, ticket: int) -> None:
+        """A host save's copies are agreed: its device pages and snapshots may be reused."""
+        self.pages.unpin(self.pinned_pages.pop(ticket))
+        for slot in self.pinned_states.pop(ticket, ()):
+            self.pages.unpin_state(slot)
 
     def step_done(self) -> None:
-        """The step that carried this batcher's restores ran: the host slabs may move again."""
+        """The step that carried this batcher's restores ran: the host slabs and the snapshots it
+        loaded may move again."""
         if self._restoring:
             self.host.unpin(self._restoring)
             self._restoring = []
+        self.states.step_done(self.pages)
 
     def _preempt(self, seq: Sequence) -> None:
         seq.computed_high = max(seq.computed_high, seq.num_computed)
@@ -280,6 +333,8 @@ class Batcher:
                 chain = self._hash_chain(seq)
                 for i in range(chunk.start_pos // ps, min(seq.num_computed // ps, len(chain))):
                     self.pages.publish(seq.page_table[i], chain[i])
+                if self.pages.stateful and seq.num_computed % ps == 0:  # its live state is at a boundary
+                    self.states.snapshot(self.pages, seq, chain[seq.num_computed // ps - 1])
             if chunk.sample:
                 token = sampled[seq.seq_id]
                 seq.token_ids.append(token)

@@ -38,8 +38,9 @@ class CostModel:
     def decode_s(self, model: str, batch: int, context: int = 0) -> float:
         return self.profile.decode_s(model, batch, context) * self.scale(model, "decode")
 
-    def restore_s(self, model: str, tokens: int) -> float:
-        return self.profile.restore_s(model, tokens) * self.scale(model, "prefill")
+    def restore_s(self, model: str, tokens: int, states: int = 0) -> float:
+        """`tokens` tokens of host KV and `states` state snapshots back to the device."""
+        return self.profile.restore_s(model, tokens, states) * self.scale(model, "prefill")
 
     def step_s(self, plan: StepPlan) -> float:
         """One engine step as the profile prices it (`Profile.step_parts`), each part corrected

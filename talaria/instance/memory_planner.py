@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from talaria.contracts.kv_layout import KVLayout
 from talaria.contracts.step_plan import MemoryOps, SaveOp, SwitchPlan
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.batcher import Batcher
 from talaria.memory.bump_layout import BumpLayout, Region
 from talaria.memory.host_kv_registry import (
     HostKVRegistry,
+    Kind,
     RankReport,
     agreed_pages,
 )
@@ -48,8 +50,11 @@ def full_h2d(weight_bytes: int) -> GatherPlan:
 
 class MemoryPlanner:
     def __init__(self, layout: BumpLayout, weight_bytes: dict[str, int], page_size: int,
-                 host: HostKVRegistry | None, stager: Stager | None, poison: bool, copies: CopyEvents) -> None:
+                 host: HostKVRegistry | None, stager: Stager | None, poison: bool, copies: CopyEvents,
+                 layouts: dict[str, KVLayout] | None = None) -> None:
+        """`layouts`: each model's cache layout (models left out keep per-token KV only)."""
         self.layout = layout
+        self.layouts = layouts or {}
         self.weight_bytes = weight_bytes
         self.page_size = page_size
         self.host = host
@@ -80,10 +85,11 @@ class MemoryPlanner:
         return done
 
     def new_pool(self, model: str) -> PageManager:
-        """A fresh device KV pool for the model being opened, wired to staging and poison."""
+        """A fresh device KV pool (and state slots) for the model being opened, wired to staging and poison."""
         plan = self.layout.plan(model)
         blocked = self.stager.blocked_pages if self.stager is not None else None
-        self._pool = PageManager(plan.num_pages, self.page_size, blocked, self._allocated)
+        self._pool = PageManager(plan.num_pages, self.page_size, blocked, self._allocated,
+                                 self.layouts.get(model), plan.num_state_slots)
         return self._pool
 
     def _allocated(self, pages: list[int]) -> None:
@@ -118,7 +124,10 @@ class MemoryPlanner:
                 stage = (self.stager.target_model, c.src.start, c.src.end, c.dst.start, c.dst.end)
         restores, batcher.restores = tuple(batcher.restores), []
         poison, self._poison = tuple(self._poison), []
-        return MemoryOps(staged, poison, restores, saves, agree, stage, self._forget())
+        state_copies, state_zero, state_restores = batcher.states.drain()
+        return MemoryOps(staged=staged, poison=poison, state_copies=state_copies, state_zero=state_zero,
+                         state_restores=state_restores, restores=restores, saves=saves, agree=agree,
+                         stage=stage, forget=self._forget())
 
     def _take_saves(self, batcher: Batcher) -> tuple[SaveOp, ...]:
         saves, batcher.saves = tuple(batcher.saves), []
@@ -142,16 +151,22 @@ class MemoryPlanner:
                     agreed = e.page_index
                     break
             self.host.finish_save(ticket_obj, agreed)
-            pages = batcher.pinned_pages.pop(ticket)
             if batcher.pages is not None:
-                batcher.pages.unpin(pages)
-            done.append({"model": ticket_obj.model, "seq_id": seq_id, "pages_saved": len(ticket_obj.entries),
-                         "pages_published": sum(1 for e in ticket_obj.entries if e.page_index < agreed)})
+                batcher.saved(ticket)
+            pages = [e for e in ticket_obj.entries if e.kind is Kind.PAGE]
+            record = {"model": ticket_obj.model, "seq_id": seq_id, "pages_saved": len(pages),
+                      "pages_published": sum(1 for e in pages if e.page_index < agreed)}
+            if len(pages) < len(ticket_obj.entries):  # a state snapshot rode with the pages
+                record["states_published"] = sum(1 for e in ticket_obj.entries
+                                                 if e.kind is Kind.STATE and e.page_index < agreed)
+            done.append(record)
         return done
 
     def switch_plan(self, to_model: str, outgoing: Batcher | None) -> SwitchPlan:
-        """Open `to_model`: the outgoing model's saves start and every pending save is agreed first."""
+        """Open `to_model`: the outgoing model's saves start and every pending save is agreed first.
+        Snapshots its last step published are taken before them (a save may read one)."""
         saves = self._take_saves(outgoing) if outgoing is not None else ()
+        snapshots = outgoing.states.drain()[0] if outgoing is not None else ()  # only copies can be pending
         agree = tuple((t, save.seq_id) for t, (save, _) in self._pending.items())
         if self._writing is not None:  # the chunk in flight finishes first and counts as staged
             self.copies.wait_staging()
@@ -161,7 +176,7 @@ class MemoryPlanner:
             gather = self.stager.gather_plan(Region(0, self.weight_bytes[to_model]))
         else:
             gather = full_h2d(self.weight_bytes[to_model])
-        return SwitchPlan(to_model, gather, MemoryOps(saves=saves, agree=agree))
+        return SwitchPlan(to_model, gather, MemoryOps(state_copies=snapshots, saves=saves, agree=agree))
 
     def switch_coverage(self, model: str) -> float:
         """How much of `model`'s weights a switch to it would find staged clean: the clean chunks and

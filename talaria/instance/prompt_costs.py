@@ -37,9 +37,10 @@ class PromptCosts:
         """(tokens whose KV it has or can reuse, seconds to restore those from host, tokens left to prefill)."""
         if seq.status is SeqStatus.RUNNING:
             return seq.num_computed, 0.0, seq.num_uncomputed
-        on_device, on_host = b.reusable(seq)
+        on_device, on_host, host_states = b.reusable(seq)
         cached = (on_device + on_host) * self.page_size
-        return cached, self.costs.restore_s(model, on_host * self.page_size), len(seq.token_ids) - cached
+        restore = self.costs.restore_s(model, on_host * self.page_size, states=host_states)
+        return cached, restore, len(seq.token_ids) - cached
 
     def work(self, model: str, b: Batcher, seq: Sequence) -> float:
         """Its whole prefill as a chunk of a step that pays the fixed cost already: restore and tail."""
@@ -66,4 +67,5 @@ class PromptCosts:
         while lo < hi:  # the largest n in [lo, hi] with cost(n) <= budget (cost grows with n)
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
-        return lo, cost(lo)
+        n = b.chunk_tokens(seq, cached, lo)  # the chunk the batcher will build of them (a stateful cache's ends on a page)
+        return n, cost(n)

@@ -70,6 +70,7 @@ class Scheduler:
         self._sessions: OrderedDict[str, tuple[str, tuple[int, ...]]] = OrderedDict()  # id -> (model, hashes)
         self._events: list[Event] = []  # since the last drain_events()
         self._stats_version = version_base
+        self._sizes: dict[str, dict[str, int]] | None = None  # per model cache sizes for snapshots
         self.switch_count = 0
         self.record_steps = record_steps
         self._planned_at = 0.0  # when the plan in flight was made (record_steps)
@@ -278,8 +279,9 @@ class Scheduler:
         for session, (model, chain) in self._sessions.items():
             pool = self.batchers[model].pages
             probe = chain if exact else chain[-1:]
-            on_device = len(pool.match_prefix(probe)) if model == self.active else 0
-            on_host = len(host.peek(model, probe)) if host is not None else 0
+            # what it could resume from (a stateful cache: up to a state snapshot, the last page's for a probe)
+            on_device = len(pool.resume_prefix(probe)) if model == self.active else 0
+            on_host = host.resumable(model, probe) if host is not None else 0
             if not exact:
                 on_device, on_host = on_device * len(chain), on_host * len(chain)
             where = (KVLocation.DEVICE if chain and on_device == len(chain) else
@@ -319,7 +321,18 @@ class Scheduler:
             time=self.clock(),
             page_size=self.memory.page_size,
             cost_scale=self.costs.telemetry(),
+            **self._cache_sizes(),
         )
+
+    def _cache_sizes(self) -> dict[str, dict[str, int]]:
+        """Each served model's page bytes, state-slot bytes and state slots, from its arena layout
+        (fixed once the models are registered: worked out at the first snapshot)."""
+        if self._sizes is None:
+            plans = [self.memory.layout.plan(m) for m in self.batchers]
+            self._sizes = {"page_bytes": {p.model: p.page_bytes for p in plans},
+                           "state_bytes": {p.model: p.state_bytes for p in plans},
+                           "state_slots": {p.model: p.num_state_slots for p in plans}}
+        return {k: dict(v) for k, v in self._sizes.items()}  # each snapshot its own dicts
 
     def _round_state(self) -> RoundState | None:
         if self.rounds is None:

@@ -26,6 +26,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the page table
     page_table: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its live per-sequence state slot while running (stateful layouts only)
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission only)
     num_restored: int = 0  # of those, restored from the host KV registry
     num_emitted: int = 0  # generated tokens already sent to the gateway

@@ -5,6 +5,12 @@ wants the prefix it built. HKVR keeps such prefixes in one pool of fixed-size ho
 every model of the instance (paper §4.3): one slab per page, keyed by (model, cumulative page
 hash), so a dict of keys is a radix tree at page granularity per model and models never collide.
 
+A model whose cache keeps a per-sequence state (`KVLayout.stateful`) also saves state snapshots: an
+entry typed STATE, keyed by the hash of the page it follows, in a second pool of slabs sized for the
+largest state (App. C: "Mamba-style paths register recurrent and auxiliary state"). Such a prefix
+is restorable only up to a published state (`KVLayout.resume_pages`), and a state is published only
+at or below the agreed page, like the pages it follows.
+
 A save (device→host) is asynchronous, so it is two-phase: `begin_save` reserves slabs and pins
 them while the DMA runs; `finish_save` publishes only the pages every TP rank agreed on (see
 `agreed_pages`) and frees the rest. Only published entries are matchable, so a restore never reads
@@ -17,21 +23,78 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
 
+from talaria.contracts.kv_layout import KVLayout
 from talaria.contracts.vocabulary import KVLocation
+from talaria.memory.bump_layout import LayoutPlan
 
-Key = tuple[str, int]  # (model, cumulative page hash)
+
+class Kind(Enum):
+    PAGE = "page"  # one page of per-token cache tensors
+    STATE = "state"  # a per-sequence state snapshot, after the page its hash names
+
+
+Key = tuple[str, int, Kind]  # (model, cumulative page hash, kind)
+
+
+@dataclass(frozen=True, slots=True)
+class SlabPools:
+    """How one rank's host KV budget splits into page slabs and state slabs, each sized for the
+    largest model's page or state. Without state, every byte is page slabs. With it, the host keeps
+    states and pages in the proportion the device arena does for the stateful model that gives
+    states the most (its state region against its page pool): what the device held of a sequence,
+    the host can hold after it."""
+
+    pages: int  # page slabs
+    page_bytes: int  # bytes of one page slab
+    states: int = 0  # state slabs
+    state_bytes: int = 0  # bytes of one state slab
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.page_bytes + self.states * self.state_bytes
+
+    @classmethod
+    def of(cls, budget: int, plans: Sequence[LayoutPlan]) -> SlabPools:
+        """The pools for `budget` bytes and the arena layout of every model served."""
+        page_bytes = max(p.page_bytes for p in plans)
+        state_bytes = max(p.state_bytes for p in plans)
+        if not state_bytes:
+            return cls(budget // page_bytes, page_bytes)
+        share = max(p.states.size / (p.states.size + p.num_pages * p.page_bytes) for p in plans if p.state_bytes)
+        states = int(budget * share) // state_bytes
+        return cls((budget - states * state_bytes) // page_bytes, page_bytes, states, state_bytes)
+
+
+@dataclass(slots=True)
+class _Pool:
+    """The slabs of one size class: ids 0..num-1, each free, in flight or published."""
+
+    num: int
+    slab_bytes: int
+    free: list[int] = field(init=False)  # a heap: the lowest free slab id goes first
+    key_of: list[Key | None] = field(init=False)
+    published: list[bool] = field(init=False)
+    pins: list[int] = field(init=False)
+    # invariant: lru holds exactly the published entries with no pin, oldest first
+    lru: OrderedDict[Key, None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.free, self.key_of = list(range(self.num)), [None] * self.num
+        self.published, self.pins, self.lru = [False] * self.num, [0] * self.num, OrderedDict()
 
 
 @dataclass(frozen=True, slots=True)
 class SaveEntry:
     """One page of a save: copy the device page at `page_index` of the chain into `slab`."""
 
-    page_index: int  # position of the page in the chain passed to begin_save
+    page_index: int  # position of the page in the chain passed to begin_save (a state: of the page it follows)
     hash: int  # cumulative page hash: the entry's key within its model
-    slab: int  # host slab reserved (and pinned) for the copy
+    slab: int  # host slab reserved (and pinned) for the copy, in its kind's pool
+    kind: Kind = Kind.PAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +126,8 @@ class RegistryStats:
     hits: int  # pages returned by match, over the registry's life
     saves: int  # pages published by finish_save
     evictions: int  # published entries dropped to make room
+    num_state_slabs: int = 0  # the state pool's slabs (0: no model keeps state)
+    states_used: int = 0  # state slabs holding an entry (counted in `used` too)
 
 
 def agreed_pages(reports: Sequence[RankReport], page_size: int) -> int:
@@ -84,21 +149,21 @@ def agreed_pages(reports: Sequence[RankReport], page_size: int) -> int:
 
 
 class HostKVRegistry:
-    """Host slabs for the KV pages of all models of one instance: reserve, publish, match, evict."""
+    """Host slabs for the KV pages (and state snapshots) of all models of one instance: reserve,
+    publish, match, evict."""
 
-    def __init__(self, num_slabs: int, slab_bytes: int) -> None:
-        if num_slabs <= 0 or slab_bytes <= 0:
+    def __init__(self, num_slabs: int, slab_bytes: int, state_slabs: int = 0, state_bytes: int = 0,
+                 layouts: Mapping[str, KVLayout] | None = None) -> None:
+        """`layouts`: each model's cache layout, whose resume rule `resumable` applies (a model left
+        out resumes at any page); state snapshots go to `state_slabs` slabs of `state_bytes`."""
+        if num_slabs <= 0 or slab_bytes <= 0 or state_slabs < 0 or (state_slabs and state_bytes <= 0):
             raise ValueError(f"host KV registry needs positive sizes, got {num_slabs} slabs "
-                             f"of {slab_bytes} bytes")
+                             f"of {slab_bytes} bytes and {state_slabs} state slabs of {state_bytes} bytes")
         self.num_slabs = num_slabs
         self.slab_bytes = slab_bytes
-        self._free = list(range(num_slabs))  # a heap: the lowest free slab id goes first
+        self.layouts = dict(layouts or {})
+        self._pools = {Kind.PAGE: _Pool(num_slabs, slab_bytes), Kind.STATE: _Pool(state_slabs, state_bytes)}
         self._slab_of: dict[Key, int] = {}  # every entry, published or in flight
-        self._key_of: list[Key | None] = [None] * num_slabs
-        self._published = [False] * num_slabs
-        self._pins = [0] * num_slabs
-        # invariant: _lru holds exactly the published entries with no pin, oldest first
-        self._lru: OrderedDict[Key, None] = OrderedDict()
         self._tickets: dict[int, SaveTicket] = {}
         self._next_ticket = 0
         self._num_published = self._num_in_flight = self._num_pinned = 0
@@ -111,26 +176,40 @@ class HostKVRegistry:
 
     @property
     def budget_bytes(self) -> int:
-        return self.num_slabs * self.slab_bytes
+        return sum(p.num * p.slab_bytes for p in self._pools.values())
 
     # ---- queries -------------------------------------------------------------------------------
 
     def _matched(self, model: str, chain: Sequence[int]) -> list[int]:
         slabs: list[int] = []
+        pool = self._pools[Kind.PAGE]
         for h in chain:
-            slab = self._slab_of.get((model, h))
-            if slab is None or not self._published[slab]:  # in flight: not readable yet
+            slab = self._slab_of.get((model, h, Kind.PAGE))
+            if slab is None or not pool.published[slab]:  # in flight: not readable yet
                 break
             slabs.append(slab)
         return slabs
 
+    def state(self, model: str, h: int) -> int | None:
+        """The state slab of the published snapshot after the page whose cumulative hash is `h`."""
+        slab = self._slab_of.get((model, h, Kind.STATE))
+        return slab if slab is not None and self._pools[Kind.STATE].published[slab] else None
+
+    def resumable(self, model: str, chain: Sequence[int]) -> int:
+        """Leading pages of `chain` a sequence could resume from with this registry alone (the
+        resume rule over its published pages and states); no side effects."""
+        n = len(self._matched(model, chain))
+        layout = self.layouts.get(model)
+        return layout.resume_pages(n, lambda k: self.state(model, chain[k - 1]) is not None) if layout else n
+
     def match(self, model: str, chain: Sequence[int]) -> list[int]:
         """Slabs of the longest published prefix of `chain`, in page order; refreshes recency.
 
-        The caller pins the slabs (`pin`) before issuing the host→device copy.
+        The caller pins the slabs (`pin`) before issuing the host→device copy, and cuts `chain`
+        to where the resume rule lets it resume (`resumable`, or device pages and states too).
         """
         slabs = self._matched(model, chain)
-        self._touch([(model, h) for h in chain[: len(slabs)]])
+        self._touch([(model, h, Kind.PAGE) for h in chain[: len(slabs)]])
         self._hits += len(slabs)
         return slabs
 
@@ -142,8 +221,7 @@ class HostKVRegistry:
         """HOST if at least `min_pages` leading pages of `chain` are restorable, else MISSING."""
         if min_pages < 1:
             raise ValueError(f"min_pages must be at least 1, got {min_pages}")
-        ok = len(self._matched(model, chain[:min_pages])) == min_pages
-        return KVLocation.HOST if ok else KVLocation.MISSING
+        return KVLocation.HOST if self.resumable(model, chain) >= min_pages else KVLocation.MISSING
 
     def pending(self, model: str) -> tuple[SaveTicket, ...]:
         """Saves of `model` still in flight: what a switch away from it must drain first."""
@@ -154,37 +232,48 @@ class HostKVRegistry:
         return self._tickets[ticket_id]
 
     def stats(self) -> RegistryStats:
+        states = self._pools[Kind.STATE]
         return RegistryStats(
             num_slabs=self.num_slabs, used=len(self._slab_of), pinned=self._num_pinned,
             published=self._num_published, in_flight=self._num_in_flight,
-            hits=self._hits, saves=self._saves, evictions=self._evictions)
+            hits=self._hits, saves=self._saves, evictions=self._evictions,
+            num_state_slabs=states.num, states_used=states.num - len(states.free))
 
     # ---- saves ---------------------------------------------------------------------------------
 
-    def begin_save(self, model: str, chain: Sequence[int]) -> SaveTicket | None:
-        """Reserve and pin slabs for the pages of `chain` not yet present (published or in flight).
+    def begin_save(self, model: str, chain: Sequence[int], state_after: int = 0) -> SaveTicket | None:
+        """Reserve and pin slabs for the pages of `chain` not yet present (published or in flight),
+        and with `state_after` > 0 for the state snapshot after its first `state_after` pages.
 
         Free slabs go first (lowest id), then least recently used unpinned published entries are
         evicted. When the pool cannot hold every absent page, the leading absent pages that fit are
-        reserved: a page saved without its head is useless. None if nothing is reserved.
+        reserved: a page saved without its head is useless, and so is a state without its pages
+        (it is reserved only when every page before it is present). None if nothing is reserved.
         """
-        # the chain's own published pages must not be evicted to make room for its tail
-        protected = [k for k in dict.fromkeys((model, h) for h in chain) if k in self._lru]
+        keys = [(model, h, Kind.PAGE) for h in chain]
+        if state_after:
+            keys.append((model, chain[state_after - 1], Kind.STATE))
+        # the chain's own published entries must not be evicted to make room for its tail
+        protected = [k for k in dict.fromkeys(keys) if k in self._pools[k[2]].lru]
         for k in protected:
-            del self._lru[k]
-        room = len(self._free) + len(self._lru)
+            del self._pools[k[2]].lru[k]
         entries: list[SaveEntry] = []
-        for i, h in enumerate(chain):
-            key = (model, h)
+        full = False  # a page found no room: nothing after it is reserved
+        for i, key in enumerate(keys):
             if key in self._slab_of:
                 continue
-            if len(entries) == room:
-                break
-            slab = heapq.heappop(self._free) if self._free else self._evict_one()
+            kind = key[2]
+            pool = self._pools[kind]
+            index = i if kind is Kind.PAGE else state_after - 1
+            if full or not (pool.free or pool.lru) or \
+                    (kind is Kind.STATE and not all(k in self._slab_of for k in keys[:state_after])):
+                full = True
+                continue
+            slab = heapq.heappop(pool.free) if pool.free else self._evict_one(pool)
             self._slab_of[key] = slab
-            self._key_of[slab] = key
-            self._pin_one(slab)  # invariant: an in-flight slab carries the save's pin
-            entries.append(SaveEntry(page_index=i, hash=h, slab=slab))
+            pool.key_of[slab] = key
+            self._pin_one(pool, slab)  # invariant: an in-flight slab carries the save's pin
+            entries.append(SaveEntry(page_index=index, hash=key[1], slab=slab, kind=kind))
         self._touch(protected)  # saving a prefix again counts as using its pages
         if not entries:
             return None
@@ -198,19 +287,20 @@ class HostKVRegistry:
         """The copy is done: publish the entries with page_index < agreed_pages, free the rest.
 
         `agreed_pages` is the TP agreement (`agreed_pages(...)`) over the whole chain; pages past it
-        hold data some rank does not vouch for, so they are never exposed.
+        hold data some rank does not vouch for, so they are never exposed, nor is a state after them.
         """
         if agreed_pages < 0:
             raise ValueError(f"agreed_pages must be >= 0, got {agreed_pages}")
         self._take_ticket(ticket)
         published: list[Key] = []
         for e in ticket.entries:
+            pool = self._pools[e.kind]
             if e.page_index < agreed_pages:
-                self._published[e.slab] = True
-                published.append((ticket.model, e.hash))
-            self._unpin_one(e.slab)
+                pool.published[e.slab] = True
+                published.append((ticket.model, e.hash, e.kind))
+            self._unpin_one(pool, e.slab)
             if e.page_index >= agreed_pages:
-                self._drop(e.slab)
+                self._drop(pool, e.slab)
         self._num_published += len(published)
         self._saves += len(published)
         self._touch(published)
@@ -219,26 +309,30 @@ class HostKVRegistry:
         """The copy failed or was cancelled: free every slab of the ticket."""
         self._take_ticket(ticket)
         for e in ticket.entries:
-            self._unpin_one(e.slab)
-            self._drop(e.slab)
+            pool = self._pools[e.kind]
+            self._unpin_one(pool, e.slab)
+            self._drop(pool, e.slab)
 
     # ---- restore pins --------------------------------------------------------------------------
 
-    def pin(self, slabs: Sequence[int]) -> None:
+    def pin(self, slabs: Sequence[int], kind: Kind = Kind.PAGE) -> None:
         """Pin published slabs while a host→device restore reads them (counted, may nest)."""
+        pool = self._pools[kind]
         for s in slabs:
-            if not self._published[s]:
-                raise ValueError(f"slab {s} holds no published entry; pin only slabs from match()")
+            if not pool.published[s]:
+                raise ValueError(f"{kind.value} slab {s} holds no published entry; pin only slabs from "
+                                 "match() or state()")
         for s in slabs:
-            self._pin_one(s)
+            self._pin_one(pool, s)
 
-    def unpin(self, slabs: Sequence[int]) -> None:
+    def unpin(self, slabs: Sequence[int], kind: Kind = Kind.PAGE) -> None:
         """Drop one restore pin per slab; an unpinned entry becomes the most recently used."""
+        pool = self._pools[kind]
         for s in slabs:
-            if self._pins[s] == 0 or not self._published[s]:
-                raise ValueError(f"slab {s} is not pinned by a restore; unpin what pin() pinned")
+            if pool.pins[s] == 0 or not pool.published[s]:
+                raise ValueError(f"{kind.value} slab {s} is not pinned by a restore; unpin what pin() pinned")
         for s in slabs:
-            self._unpin_one(s)
+            self._unpin_one(pool, s)
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -248,40 +342,41 @@ class HostKVRegistry:
         Deeper pages are left older, so eviction trims a prefix from its tail, never its head.
         """
         for k in reversed(keys):
+            pool = self._pools[k[2]]
             slab = self._slab_of[k]
-            if self._published[slab] and self._pins[slab] == 0:
-                self._lru[k] = None
-                self._lru.move_to_end(k)
+            if pool.published[slab] and pool.pins[slab] == 0:
+                pool.lru[k] = None
+                pool.lru.move_to_end(k)
 
-    def _pin_one(self, slab: int) -> None:
-        if self._pins[slab] == 0:
+    def _pin_one(self, pool: _Pool, slab: int) -> None:
+        if pool.pins[slab] == 0:
             self._num_pinned += 1
-            self._lru.pop(self._key_of[slab], None)  # type: ignore[arg-type]
-        self._pins[slab] += 1
+            pool.lru.pop(pool.key_of[slab], None)  # type: ignore[arg-type]
+        pool.pins[slab] += 1
 
-    def _unpin_one(self, slab: int) -> None:
-        self._pins[slab] -= 1
-        if self._pins[slab] == 0:
+    def _unpin_one(self, pool: _Pool, slab: int) -> None:
+        pool.pins[slab] -= 1
+        if pool.pins[slab] == 0:
             self._num_pinned -= 1
-            key = self._key_of[slab]
-            if key is not None and self._published[slab]:
-                self._lru[key] = None
+            key = pool.key_of[slab]
+            if key is not None and pool.published[slab]:
+                pool.lru[key] = None
 
-    def _evict_one(self) -> int:
-        # invariant: a pinned slab is never reused, whatever the LRU says (it is not in _lru)
-        key, _ = self._lru.popitem(last=False)
+    def _evict_one(self, pool: _Pool) -> int:
+        # invariant: a pinned slab is never reused, whatever the LRU says (it is not in lru)
+        key, _ = pool.lru.popitem(last=False)
         slab = self._slab_of.pop(key)
-        self._key_of[slab] = None
-        self._published[slab] = False
+        pool.key_of[slab] = None
+        pool.published[slab] = False
         self._num_published -= 1
         self._evictions += 1
         return slab
 
-    def _drop(self, slab: int) -> None:
+    def _drop(self, pool: _Pool, slab: int) -> None:
         """Forget an unpublished, unpinned entry and return its slab to the free pool."""
-        del self._slab_of[self._key_of[slab]]  # type: ignore[arg-type]
-        self._key_of[slab] = None
-        heapq.heappush(self._free, slab)
+        del self._slab_of[pool.key_of[slab]]  # type: ignore[arg-type]
+        pool.key_of[slab] = None
+        heapq.heappush(pool.free, slab)
 
     def _take_ticket(self, ticket: SaveTicket) -> None:
         if self._tickets.get(ticket.ticket_id) != ticket:

@@ -8,6 +8,12 @@ tree at page granularity: a hit on page i implies a hit on pages 0..i-1.
 
 Freed pages keep their published hash and sit in an LRU list: they are evicted only when no clean
 page is left, so a finished session's KV stays reusable as long as memory allows.
+
+A model whose cache keeps a per-sequence state (`KVLayout.stateful`) also has state slots: each
+running sequence holds a live one, and a snapshot of a live state taken at a page boundary is
+published under the hash of the page it follows. A prefix is resumable only up to a published
+snapshot (`resume_prefix`, the layout's rule); unreferenced snapshots are evicted least recently
+used first when a slot is needed.
 No tensors here: the runner owns the KV tensors, this class only decides which page ids to use.
 """
 
@@ -21,6 +27,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from collections.abc import Set as AbstractSet
 from itertools import islice
+
+from talaria.contracts.kv_layout import KVLayout
 
 
 def page_hash(parent: int, tokens: Seq[int], page_size: int) -> int:
@@ -53,9 +61,20 @@ class PageManager:
     """
 
     def __init__(self, num_pages: int, page_size: int, blocked: Callable[[], AbstractSet[int]] | None = None,
-                 on_allocate: Callable[[list[int]], None] | None = None) -> None:
+                 on_allocate: Callable[[list[int]], None] | None = None, layout: KVLayout | None = None,
+                 state_slots: int = 0) -> None:
+        """`layout`: the model's cache (None: per-token only); `state_slots`: its state region's slots."""
         self.num_pages = num_pages
         self.page_size = page_size
+        self.layout = layout
+        self.stateful = layout is not None and layout.stateful
+        self.num_state_slots = state_slots if self.stateful else 0
+        self._slots_free = list(range(self.num_state_slots))  # a heap: neither live nor a snapshot
+        self._snapshot_of: dict[int, int] = {}  # published hash -> snapshot slot
+        self._hash_of_slot: dict[int, int] = {}  # snapshot slot -> its hash
+        self._slot_pins = [0] * self.num_state_slots  # copies reading a snapshot (a load, a host save)
+        # invariant: exactly the unpinned snapshots, least recently used first
+        self._snapshots: OrderedDict[int, None] = OrderedDict()
         self.blocked = blocked or frozenset
         self.on_allocate = on_allocate
         self._ref = [0] * num_pages
@@ -118,6 +137,71 @@ class PageManager:
                 break
             pages.append(page)
         return pages
+
+    def resume_prefix(self, chain: Seq[int]) -> list[int]:
+        """Pages of the longest cached prefix of `chain` a sequence may resume from (the layout's
+        resume rule: any page without state, else only up to a published snapshot)."""
+        pages = self.match_prefix(chain)
+        if not self.stateful:
+            return pages
+        return pages[:self.layout.resume_pages(len(pages), lambda n: chain[n - 1] in self._snapshot_of)]
+
+    # ---- state slots (stateful layouts) ------------------------------------------------------
+
+    def snapshot(self, h: int) -> int | None:
+        """The slot of the published snapshot after the page whose cumulative hash is `h`."""
+        return self._snapshot_of.get(h)
+
+    @property
+    def states_free(self) -> int:
+        """State slots a live state could take now (free, or an unpinned snapshot to evict)."""
+        return len(self._slots_free) + len(self._snapshots)
+
+    def _take_slot(self) -> int | None:
+        if self._slots_free:
+            return heapq.heappop(self._slots_free)
+        if not self._snapshots:
+            return None
+        slot, _ = self._snapshots.popitem(last=False)  # the least recently used snapshot
+        del self._snapshot_of[self._hash_of_slot.pop(slot)]
+        return slot
+
+    def take_state(self) -> int:
+        """A live state slot for a sequence being admitted; caller checks `states_free`."""
+        slot = self._take_slot()
+        if slot is None:
+            raise MemoryError("state slots exhausted: every slot is live or a snapshot being copied")
+        return slot
+
+    def free_state(self, slot: int) -> None:
+        """A live state slot back to the pool."""
+        heapq.heappush(self._slots_free, slot)
+
+    def publish_snapshot(self, h: int) -> int | None:
+        """A slot for the snapshot after the page hashed `h`, published now (the copy into it rides
+        the next step, before any other use of the slot); None when `h` has one already or no slot
+        is free (the prefix then resumes from an earlier snapshot)."""
+        if h in self._snapshot_of:
+            slot = self._snapshot_of[h]
+            if slot in self._snapshots:
+                self._snapshots.move_to_end(slot)
+            return None
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        self._snapshot_of[h], self._hash_of_slot[slot] = slot, h
+        self._snapshots[slot] = None
+        return slot
+
+    def pin_state(self, slot: int) -> None:
+        """A copy reads this snapshot: keep it from eviction until `unpin_state`."""
+        self._snapshots.pop(slot, None)
+        self._slot_pins[slot] += 1
+
+    def unpin_state(self, slot: int) -> None:
+        self._slot_pins[slot] -= 1
+        if self._slot_pins[slot] == 0 and slot in self._hash_of_slot:
+            self._snapshots[slot] = None
 
     # ---- mutations -------------------------------------------------------------------------
 

@@ -131,8 +131,9 @@ class Stager:
         self._srcs = tuple(Region(s, min(s + cb, weight_bytes_b)) for s in range(0, weight_bytes_b, cb))
         self._state = [ChunkState.MISSING] * len(self._srcs)
         # invariant: every staged source lies at or above `floor`, and every gather destination lies
-        # in B's weights region [0, weight_bytes_b) below it, so D2D copies never read overwritten bytes
-        floor = max(active.kv.start, align_up(weight_bytes_b, self.align))
+        # in B's weights region [0, weight_bytes_b) below it, so D2D copies never read overwritten bytes;
+        # and at or above the page pool's start, so staging never overwrites the active model's state slots
+        floor = max(active.page_pool.start, align_up(weight_bytes_b, self.align))
         placed: list[StagedChunk] = []
         top = active.page_pool.end
         for j, src in enumerate(self._srcs):

@@ -3,7 +3,8 @@
 `talaria up` runs `check_files` before it starts anything, and `talaria config check --files` runs
 it on demand. It reads each model's metadata (no weights), checks tp against its heads, that the
 GPUs of cuda instances exist (importing torch only then), that each arena holds its largest model
-plus `MIN_KV_PAGES` KV pages, and that the host memory the ranks hold fits the machine's RAM. It
+plus its state slots and `MIN_KV_PAGES` KV pages (sizes from the model's cache layout,
+talaria/contracts/kv_layout.py), and that the host memory the ranks hold fits the machine's RAM. It
 lives with the node because it asks what the node has — files, devices and memory — where
 `talaria.config.loader` checks only the file's structure.
 """
@@ -18,6 +19,7 @@ from talaria.config.loader import check_tp, tp_misfits
 from talaria.config.schema import DTYPE_BYTES, Device, InstanceConfig, TalariaConfig
 from talaria.config.tables import Problems, format_size, one_of, toml_value
 from talaria.contracts.arch import ModelArch
+from talaria.contracts.kv_layout import kv_layout
 
 MIN_KV_PAGES = 4  # an arena must hold its largest model's weights plus at least this many KV pages
 
@@ -92,27 +94,43 @@ def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[s
 
 def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, ModelArch], where: str,
                  probs: Problems, info: list[str]) -> None:
-    """The arena must hold the largest model (cold models take turns) and a minimal KV pool."""
+    """The arena must hold the largest model (cold models take turns), its state slots when its
+    cache keeps per-sequence state, and a minimal KV pool. Each model's cache sizes on one rank (they
+    depend on tp and page_size) become info lines."""
     if not archs:
         return
-    need = {}  # model -> (weight bytes, bytes of MIN_KV_PAGES pages) on one rank
+    need = {}  # model -> (weight bytes, state region bytes, bytes of one KV page) on one rank
+    caches = []
     for name, arch in archs.items():
-        size = DTYPE_BYTES[cfg.model(name).dtype]
-        kv_heads = math.ceil(arch.num_kv_heads / inst.tp)
-        page = inst.page_size * 2 * arch.num_layers * kv_heads * arch.head_dim * size
-        need[name] = (params_per_rank(arch, inst.tp) * size, MIN_KV_PAGES * page)
-    name, (weights, kv) = max(need.items(), key=lambda item: sum(item[1]))
-    if inst.arena_bytes < weights + kv:
+        dtype = cfg.model(name).dtype
+        layout = kv_layout(arch, inst.tp, inst.page_size, dtype)
+        slots = layout.state_slots(inst.max_running)
+        need[name] = (params_per_rank(arch, inst.tp) * DTYPE_BYTES[dtype], slots * layout.state_bytes,
+                      layout.page_bytes)
+        caches.append(f'instance "{inst.name}" model "{name}" cache: {layout.describe()}'
+                      + (f"; {slots} state slots" if slots else ""))
+    name, (weights, states, page) = max(need.items(), key=lambda item: _arena_need(*item[1]))
+    kv = MIN_KV_PAGES * page
+    if inst.arena_bytes < _arena_need(weights, states, page):
+        total = _arena_need(weights, states, page)
+        state = f" + {format_size(states)} of state slots" if states else ""
         probs.add(where, f"arena_bytes = {inst.arena_bytes} ({format_size(inst.arena_bytes)}) is "
-                  f'too small for model "{name}": one rank needs at least {weights + kv} bytes '
-                  f"({format_size(weights + kv)}): ~{format_size(weights)} of weights at tp = "
-                  f"{inst.tp} + {MIN_KV_PAGES} KV pages of {inst.page_size} tokens "
-                  f'({format_size(kv)}); use arena_bytes = "{_suggest(weights + kv)}" or more')
+                  f'too small for model "{name}": one rank needs at least {total} bytes '
+                  f"({format_size(total)}): ~{format_size(weights)} of weights at tp = "
+                  f"{inst.tp}{state} + {MIN_KV_PAGES} KV pages of {inst.page_size} tokens "
+                  f'({format_size(kv)}); use arena_bytes = "{_suggest(total)}" or more')
         return
-    pages = (inst.arena_bytes - weights) // (kv // MIN_KV_PAGES)
+    pages = (inst.arena_bytes - weights - states) // page
+    state = f" and {format_size(states)} of state slots" if states else ""
     info.append(f'instance "{inst.name}": arena {format_size(inst.arena_bytes)} per rank; its '
-                f'largest model "{name}" takes ~{format_size(weights)}, leaving room for ~{pages} '
+                f'largest model "{name}" takes ~{format_size(weights)}{state}, leaving room for ~{pages} '
                 f"KV pages ({pages * inst.page_size} tokens) less runtime buffers")
+    info += caches
+
+
+def _arena_need(weights: int, states: int, page: int) -> int:
+    """Bytes one rank's arena needs for a model: weights, state slots and MIN_KV_PAGES KV pages."""
+    return weights + states + MIN_KV_PAGES * page
 
 
 def _suggest(need: int) -> str:

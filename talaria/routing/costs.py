@@ -5,10 +5,14 @@
   sessions' live leases, each an admission unit), the wait for the model's slot on a cold instance
   where it is not active (the rest of the open round, plus the deadline risk below), the prefill of
   the prompt past the reusable prefix, and the decode of its tokens;
-- `C_kv`: 0 for a device-resident prefix, its restore for a host-restorable one, its recompute
-  otherwise (and on every instance other than the session's own);
+- `C_kv`: 0 for a device-resident prefix, its restore for a host-restorable one (with its state
+  snapshot, for a model whose cache keeps per-sequence state), its recompute otherwise (and on every
+  instance other than the session's own);
 - `C_act`: 0 when the model is active there, the staged switch cost when it is staged, a full H2D
   open otherwise.
+The reusable prefix follows the cache layout's resume rule (`KVLayout.resume_pages`): all of the
+session's kept tokens for attention KV; for a stateful model only up to its last full page, where
+the snapshot of its state was taken (`resumable`).
 A candidate must also pass the round-admission check (the call would start within `admit_rounds`
 rounds, or `max_queue_s` on a hot instance; a call with nothing ahead of it always passes) and the
 HBM check (its KV fits the pool). A replica (an instance that must open a model another instance
@@ -39,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from talaria.config.schema import RouterConfig
+from talaria.contracts.kv_layout import KVLayout
 from talaria.contracts.profile import ModelProfile
 from talaria.contracts.telemetry import RoundState
 from talaria.contracts.vocabulary import KVLocation, SwitchPath
@@ -58,6 +63,7 @@ class Terms:
     """One model's call-independent cost terms on one instance, from its latest snapshot."""
 
     model: ModelProfile
+    layout: KVLayout  # the model's cache in the instance's pages (ModelProfile.layout): the resume rule
     active: bool
     staged: bool
     c_act_s: float  # 0 active; the staged switch; else an H2D open
@@ -71,6 +77,17 @@ class Terms:
     def per_call_s(self, mean_prompt: int) -> float:
         """What each call queued here is charged: the prefill of the model's mean prompt."""
         return self.model.prefill.seconds(mean_prompt) * self.prefill_scale
+
+    def resumable(self, reusable: int, kept: int) -> int:
+        """Tokens of a kept prefix of `kept` tokens that a call reusing up to `reusable` of them resumes
+        from: all `reusable` without per-sequence state; with it, the pages up to the snapshot taken at
+        the prefix's last full page (none when the call reuses less than that)."""
+        layout = self.layout
+        if not layout.stateful:
+            return reusable
+        page = layout.page_size
+        snapshot = kept // page
+        return layout.resume_pages(reusable // page, lambda n: n == snapshot) * page
 
 
 @dataclass(slots=True)
@@ -145,7 +162,8 @@ class PlacementCosts:
             wait = s.rounds.round_remaining_s + round_overrun_s(s.rounds) if (s.rounds is not None and not active) else 0.0
             free = s.kv_pages_total - (s.kv_pages_used if active else 0)
             admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
-            t = view.terms[model] = Terms(mp, active, staged, c_act, wait, free, admit,
+            layout = mp.layout(max(1, s.page_size))  # a snapshot without a page size: resume anywhere
+            t = view.terms[model] = Terms(mp, layout, active, staged, c_act, wait, free, admit,
                                           admit if view.ttft_s is None else view.ttft_s,
                                           scale.get(f"{model}/prefill", 1.0), scale.get(f"{model}/decode", 1.0))
         return t
@@ -159,14 +177,15 @@ class PlacementCosts:
         mp = t.model  # its curves are the profile's prices (Profile.prefill_s and decode_s read the same)
         reusable, kv = 0, MISSING
         if last is not None:
-            reusable = min(last.kv_tokens, max(0, req.prompt_tokens - 1))
+            reusable = t.resumable(min(last.kv_tokens, max(0, req.prompt_tokens - 1)), last.kv_tokens)
             if last.instance == view.name:
                 kv = self.location(view, req, last.done_at)
         p_scale = t.prefill_scale
         if kv is DEVICE:
             c_kv = 0.0
-        elif kv is HOST:
-            c_kv = view.profile.restore_s(req.model, reusable) * p_scale
+        elif kv is HOST:  # a stateful model restores the snapshot of its state too
+            states = 1 if reusable and t.layout.stateful else 0
+            c_kv = view.profile.restore_s(req.model, reusable, states) * p_scale
         else:
             c_kv = mp.prefill.seconds(reusable) * p_scale
         ahead = view.snapshot.waiting + view.sent + self.leases.count(view.name) * self.config.lease_unit
@@ -189,11 +208,11 @@ class PlacementCosts:
         """Seconds of `view`'s time one call of `prompt_tokens` takes, `reusable` of them a kept prefix,
         with `max_tokens` out: what an admitted session charges its instance (talaria/routing/session_load.py).
 
-        Its prefill past the prefix, and its share of `max_tokens` decode steps: the per-sequence and
-        per-context terms only, as a step's fixed cost is paid once whatever the batch. When the
-        admitted sessions' prefixes (`footprint_tokens`) outgrow the model's KV pool, they cannot all
-        stay resident: the call is charged a full prefill. None while the instance has no snapshot or
-        profile, or no price for the model."""
+        Its prefill past the prefix (as far as the resume rule lets it resume), and its share of
+        `max_tokens` decode steps: the per-sequence and per-context terms only, as a step's fixed cost
+        is paid once whatever the batch. When the admitted sessions' prefixes (`footprint_tokens`)
+        outgrow the model's KV pool, they cannot all stay resident: the call is charged a full prefill.
+        None while the instance has no snapshot or profile, or no price for the model."""
         if view.snapshot is None or view.profile is None:
             return None
         t = self.terms(view, model)
@@ -202,7 +221,7 @@ class PlacementCosts:
         pool = view.snapshot.kv_pages_total * view.snapshot.page_size
         if pool and footprint_tokens > pool:
             reusable = 0
-        reusable = min(reusable, max(0, prompt_tokens - 1))
+        reusable = t.resumable(min(reusable, max(0, prompt_tokens - 1)), reusable)
         mp = t.model
         prefill = mp.prefill.seconds(prompt_tokens - reusable, reusable)
         decode = max_tokens * (mp.decode.seconds(1, prompt_tokens) - mp.decode.base_s)

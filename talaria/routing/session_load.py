@@ -8,8 +8,10 @@ goes quiet:
 
 - while a call of it is held at the gateway or runs there: that call's predicted work;
 - in a tool gap: its next call's predicted work, priced from its last call (that call's prompt and
-  reply, grown by what its previous turn added, else by the model's mean growth; its prefix kept,
-  unless the prefixes of the sessions admitted there outgrow the KV pool: then a full prefill);
+  reply, grown by what its previous turn added, else by the model's mean growth; its prefix kept, as
+  far as the model's cache resumes from it (`PlacementCosts.work_s`: a recurrent state only at its
+  snapshot), unless the prefixes of the sessions admitted there outgrow the KV pool: then a full
+  prefill);
 - once quiet (no call for longer than this model's tool gaps suggest, `GapEstimate`; at most
   `session_ttl_s`): nothing. It is still an admitted session (talaria/routing/shedding.py); its next
   call charges again from its arrival.

@@ -3,7 +3,8 @@
 A `SimInstance` gets its policy objects from the same assembly as the live rank 0
 (talaria/instance/assembly.py) — a `Scheduler` over `Batcher`s, a `MemoryPlanner` over `BumpLayout`,
 `HostKVRegistry` and `Stager`, and for cold pools the `RoundScheduler` — from the instance's config
-and the profile's model sizes. Where the engine would
+and the profile's model sizes (each model's cache layout rebuilt from them, `ModelProfile.layout`,
+so the arena is laid out as the engine's). Where the engine would
 run a step, the simulator charges its cost from the profile and commits it when the virtual clock
 gets there; one `RankLedger` stands in for the ranks' KV (they agree by construction). D2H saves
 and staging copies finish after their bytes / bandwidth, checked when the planner asks, as the
@@ -54,8 +55,9 @@ class SimInstance:
         served = []
         for m in models:
             mp = profile.model(m)
-            self.layout.register(m, mp.weights_bytes, mp.kv_bytes_per_token * ps)
-            served.append(ServedModel(m, mp.weights_bytes, mp.kv_bytes_per_token * ps, MAX_CONTEXT, ()))
+            kv = mp.layout(ps)
+            self.layout.register(m, mp.weights_bytes, kv, kv.state_slots(config.max_running))
+            served.append(ServedModel(m, mp.weights_bytes, kv, MAX_CONTEXT, ()))
         self._copies: dict[int, float] = {}  # save ticket -> when its D2H copies finish
         self._staging_until = 0.0
         # no bytes move here, so nothing is poisoned (the poison pages would only add empty steps)
@@ -66,7 +68,7 @@ class SimInstance:
         self.busy = False
         self.slowdown = slowdown
         self.hbm_peak_bytes = 0
-        self._hbm_fixed: dict[str, tuple[int, int]] = {}  # model -> (weights + runtime bytes, page bytes)
+        self._hbm_fixed: dict[str, tuple[int, int]] = {}  # model -> (weights + states + runtime bytes, page bytes)
 
     # ---- calls in ---------------------------------------------------------------------------
 
@@ -100,9 +102,9 @@ class SimInstance:
         seconds = self.step_cost(plan)
         ops = plan.ops or MemoryOps()
         now = self.clock()
-        for save in ops.saves:  # D2H beside the step: done after its bytes at the host link's rate
-            nbytes = len(save.copies) * self.memory.page_size * self.profile.model(plan.model).kv_bytes_per_token
-            self._copies[save.ticket] = now + nbytes / self.profile.bandwidth.d2h_bytes_per_s
+        for save in ops.saves:  # D2H beside the step: done after its pages and states at the host link's rate
+            tokens = len(save.copies) * self.memory.page_size
+            self._copies[save.ticket] = now + self.profile.save_s(plan.model, tokens, len(save.states))
         if ops.stage is not None:
             _, src0, src1, _, _ = ops.stage
             self._staging_until = now + (src1 - src0) / self.profile.bandwidth.h2d_bytes_per_s
@@ -176,6 +178,7 @@ class SimInstance:
         fixed = self._hbm_fixed.get(model)
         if fixed is None:  # the layout is fixed at start: work its plan out once per model
             plan = self.layout.plan(model)
-            fixed = self._hbm_fixed[model] = (plan.weights.size + self.runtime_bytes, plan.page_bytes)
+            fixed = self._hbm_fixed[model] = (plan.weights.size + plan.states.size + self.runtime_bytes,
+                                              plan.page_bytes)
         used = fixed[0] + self.scheduler.batchers[model].pages.num_used * fixed[1]
         self.hbm_peak_bytes = max(self.hbm_peak_bytes, used)

@@ -17,10 +17,10 @@ from talaria.tui.timeline import SWITCH, RoundTimeline, RoundView, paint
 
 PHASE_STYLE = {"P": "bold black on #5fafff", "D": "black on #87d787", "S": "bold black on #ffaf5f",
                "~": "bold white on #d75f87", "·": "#808080", "░": "#4e4e4e"}
-REGION_GLYPH = {"weights": "█", "kv": "▓", "staging": "▒", "free": "░", "runtime": "▚"}
+REGION_GLYPH = {"weights": "█", "state": "▞", "kv": "▓", "staging": "▒", "free": "░", "runtime": "▚"}
 GLYPH_REGION = {g: r for r, g in REGION_GLYPH.items()}
-REGION_STYLE = {"weights": "#5fafff", "kv": "#87d787", "staging": "#ffaf5f", "free": "#4e4e4e",
-                "runtime": "#af87ff"}
+REGION_STYLE = {"weights": "#5fafff", "state": "#d7d75f", "kv": "#87d787", "staging": "#ffaf5f",
+                "free": "#4e4e4e", "runtime": "#af87ff"}
 PHASE_SHORT = ("save", "open", "kv", "rt", "pub")  # PHASE_NAMES, as the panel labels them
 MODEL_STATE_STYLE = {"active": "bold green", "staged": "yellow", "parked": "dim", "?": "dim"}
 MIN_BAR = 10
@@ -143,8 +143,10 @@ class MemoryPanel(Panel):
 
     def draw(self, state: DashboardState, now: float | None, width: int) -> Text:
         out = Text()
+        arenas = [a for v in state.instances.values() if (a := v.arena()) is not None]
         for region, glyph in REGION_GLYPH.items():
-            out.append(glyph, REGION_STYLE[region]).append(f" {region}  ", "dim")
+            if region != "state" or any(a.state for a in arenas):  # the state region only where one is shown
+                out.append(glyph, REGION_STYLE[region]).append(f" {region}  ", "dim")
         out.append("\n")
         for name in state.instance_names():
             _draw_arena(out, state.instances[name], width)
@@ -175,6 +177,8 @@ def _draw_arena(out: Text, view: InstanceView, width: int) -> None:
         staging += f" {arena.staged_model} {arena.coverage:.0%}"
     runtime = f" · runtime {_bytes(arena.runtime)}" if arena.runtime is not None else ""
     out.append(staging + runtime + "\n", "dim")
+    slots = f" x {arena.state // arena.state_bytes} slots" if arena.state else ""
+    out.append(f"page {_bytes(arena.page_bytes)} · state {_bytes(arena.state_bytes)}{slots}\n", "dim")
 
 
 class LeasesPanel(Panel):

@@ -83,6 +83,17 @@ def test_files_flag_runs_the_file_checks(tmp_path: Path) -> None:
     assert result.stdout.splitlines()[-1] == "OK"
 
 
+def test_files_flag_shows_each_models_page_and_state_bytes_per_rank(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(SYNTHETIC.format(arena="64MiB"))
+    result = _run(str(path), "--files")
+    assert result.exit_code == 0, result.output
+    # tp 2 splits the 2 KV heads: k and v x 2 layers x 1 head x 16 dims x 4 B (float32) = 256 B a
+    # token; pages of 16 tokens (the default page_size) hold 4096 B; no per-sequence state
+    assert ('instance "cold-0" model "tiny" cache: page 4096 B (16 tokens, 256 B a token), state 0 B; '
+            "k 1x16 float32 on 2 layers, v 1x16 float32 on 2 layers") in result.stdout.splitlines()
+
+
 def test_files_flag_failure_prints_summary_then_problems(tmp_path: Path) -> None:
     path = tmp_path / "t.toml"
     path.write_text(SYNTHETIC.format(arena="64KiB"))

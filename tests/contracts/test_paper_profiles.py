@@ -20,7 +20,7 @@ MODELS = {
     TP8: {"Qwen3-235B", "GLM5-nvfp4", "Qwen3.5-122B-A10B"},  # paper §5.1
     TP4: {"Qwen3-32B", "Qwen2.5-32B-Instruct", "Qwen3.5-35B-A3B"},  # paper §5.1, router testbed
 }
-MODEL_SOURCE_GROUPS = ("prefill", "decode", "switch", "weights_bytes", "kv_bytes_per_token")
+MODEL_SOURCE_GROUPS = ("prefill", "decode", "switch", "weights_bytes", "kv_bytes_per_token")  # token_bytes: its old key
 PROFILE_SOURCE_GROUPS = ("bandwidth", "device_bytes", "hardware")
 
 # paper App. D Table 2, p50 per phase in ms (save_teardown, open_weights, kv_shell, runtime, publish)
@@ -107,6 +107,6 @@ def test_costs_are_positive_where_a_mechanism_charges_them(loaded):
     assert min(p.bandwidth.h2d_bytes_per_s, p.bandwidth.d2h_bytes_per_s) > 0
     assert p.bandwidth.d2d_bytes_per_s > p.bandwidth.h2d_bytes_per_s
     for name, m in p.models.items():
-        assert m.weights_bytes > 0 and m.kv_bytes_per_token > 0, name
+        assert m.weights_bytes > 0 and m.token_bytes > 0 and m.state_bytes == 0, name
         assert m.prefill.per_token_s > 0 and m.decode.base_s > 0, name
         assert p.restore_s(name, 25_000) > 0 and p.decode_s(name, 1) > 0, name

@@ -1,5 +1,6 @@
-"""`talaria.contracts.profile`: round trip, one bad snippet per validation error, curve and
-transfer arithmetic, switch estimates, and the non-negative fits calibration relies on."""
+"""`talaria.contracts.profile`: round trip (and files with the key before the cache layout descriptor),
+one bad snippet per validation error, curve and transfer arithmetic (state snapshots included), switch
+estimates, and the non-negative fits calibration relies on."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ d2d_bytes_per_s = 4.0e10
 
 [models.tiny-llama]
 weights_bytes = 1000000000
-kv_bytes_per_token = 4096
+token_bytes = 4096
 
 [models.tiny-llama.prefill]
 base_s = 0.001
@@ -71,9 +72,9 @@ prefill = "measured at start-up"
 """
 
 
-def make_profile(switch: dict[str, SwitchCost] | None = None) -> Profile:
+def make_profile(switch: dict[str, SwitchCost] | None = None, state_bytes: int = 0) -> Profile:
     model = ModelProfile(
-        name="m", weights_bytes=8_000_000_000, kv_bytes_per_token=131_072,
+        name="m", weights_bytes=8_000_000_000, token_bytes=131_072, state_bytes=state_bytes,
         prefill=PrefillCurve(0.01, 2e-4, 1e-8), decode=DecodeCurve(0.02, 3e-4, 5e-7),
         switch=switch if switch is not None else {}, sources={"decode": "paper Table 2"})
     return Profile(hardware="cuda: NVIDIA H200 x8", device="cuda", tp=8, device_bytes=141 << 30,
@@ -88,6 +89,7 @@ def test_parse_reads_every_key_and_defaults_the_optional_ones():
     m = p.model("tiny-llama")
     assert (p.schema, p.tp, p.device_bytes, p.device) == (PROFILE_SCHEMA, 1, 268435456, "cpu")
     assert p.bandwidth == Bandwidth(1e10, 5e9, 4e10)
+    assert (m.token_bytes, m.state_bytes) == (4096, 0)  # state_bytes defaults to 0: no per-sequence state
     assert m.decode == DecodeCurve(0.002, 1e-4, 0.0)  # per_context_token_s defaults to 0
     assert m.switch == {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0.001, 0.01, 0.0001, 0.0001, 1e-5))}
     assert m.sources == {"prefill": "measured at start-up"}
@@ -103,12 +105,32 @@ def test_the_example_in_the_docs_parses():
 
 @pytest.mark.parametrize("profile", [
     make_profile(),
+    make_profile(state_bytes=3 << 20),
     make_profile({SwitchPath.FULL_D2D: SwitchCost(SwitchPath.FULL_D2D, (0.1, 0.2, 0.3, 0.4, 0.5)),
                   SwitchPath.PARTIAL: SwitchCost(SwitchPath.PARTIAL, (1e-9, 1 / 3, 0.0, 2.5e-7, 7.0))}),
     parse_profile(GOOD),
 ])
 def test_dump_then_parse_gives_the_same_profile(profile):
     assert parse_profile(dump_profile(profile)) == profile
+
+
+def test_a_file_with_the_old_key_loads_and_is_written_back_with_the_new_ones():
+    old = parse_profile(edit("token_bytes = 4096", "kv_bytes_per_token = 4096"), "profiles/old.toml")
+    assert old == parse_profile(GOOD)
+    assert (old.model("tiny-llama").token_bytes, old.model("tiny-llama").state_bytes) == (4096, 0)
+    text = dump_profile(old)
+    assert "kv_bytes_per_token" not in text and "token_bytes = 4096\nstate_bytes = 0\n" in text
+
+
+def test_a_state_slot_round_trips_through_the_file_and_sizes_the_layout():
+    p = parse_profile(edit("token_bytes = 4096\n", "token_bytes = 4096\nstate_bytes = 1048576\n"))
+    m = p.model("tiny-llama")
+    assert m.state_bytes == 1 << 20
+    assert parse_profile(dump_profile(p)) == p
+    layout = m.layout(16)
+    assert (layout.page_bytes, layout.token_bytes, layout.state_bytes) == (16 * 4096, 4096, 1 << 20)
+    assert layout.stateful
+    assert not make_profile().model("m").layout(16).stateful
 
 
 def test_save_then_load_round_trips_and_leaves_no_temporary_file(tmp_path):
@@ -154,8 +176,12 @@ def edit(old: str, new: str) -> str:
      ["models.tiny-llama.switch.h2d_only.phase_s", "list of 5", ", ".join(PHASE_NAMES)]),
     (edit("[0.001,", "[-0.001,"),
      ["models.tiny-llama.switch.h2d_only.phase_s.save_teardown = -0.001 must be >= 0"]),
-    (edit("kv_bytes_per_token = 4096\n", ""),
-     ["models.tiny-llama.kv_bytes_per_token is missing"]),
+    (edit("token_bytes = 4096\n", ""),
+     ["models.tiny-llama.token_bytes is missing"]),
+    (edit("token_bytes = 4096\n", "token_bytes = 4096\nkv_bytes_per_token = 4096\n"),
+     ["models.tiny-llama.kv_bytes_per_token is the old name of token_bytes", "keep one"]),
+    (edit("token_bytes = 4096\n", "token_bytes = 4096\nstate_bytes = -1\n"),
+     ["models.tiny-llama.state_bytes = -1 must be a whole number >= 0"]),
     (edit("weights_bytes = 1000000000", "weights_bytes = 1.5e9"),
      ["models.tiny-llama.weights_bytes = 1500000000.0 must be a whole number"]),
     (edit("[models.tiny-llama.decode]\nbase_s = 0.002\nper_seq_s = 1e-4\n", ""),
@@ -208,6 +234,16 @@ def test_restore_and_save_divide_kv_bytes_by_the_right_bandwidth():
     assert parse_profile(dump_profile(measured)) == measured
 
 
+def test_restore_and_save_move_state_snapshots_beside_the_tokens():
+    p = make_profile(state_bytes=3 << 20)  # 131072 B/token, a 3 MiB state slot
+    assert p.restore_s("m", 1000, states=2) == (131_072_000 + 2 * (3 << 20)) / 5e10
+    assert p.save_s("m", 1000, states=1) == (131_072_000 + (3 << 20)) / 2.5e10
+    assert p.restore_s("m", 0, states=1) == (3 << 20) / 5e10  # a snapshot at the start of no pages
+    assert p.restore_s("m", 1000) == 131_072_000 / 5e10  # no states: the tokens alone
+    # a stateless model's price is the tokens' bytes over the rate, exactly, whatever `states` says
+    assert make_profile().restore_s("m", 1000, states=3) == 131_072_000 / 5e10
+
+
 def test_switch_s_uses_the_recorded_phases_and_estimates_missing_paths():
     recorded = SwitchCost(SwitchPath.H2D_ONLY, (0.25, 2.0, 0.125, 0.0625, 0.0625))
     p = make_profile({SwitchPath.H2D_ONLY: recorded})
@@ -248,10 +284,20 @@ def test_a_step_is_one_batched_prefill_one_decode_and_its_restores():
               SeqChunk(3, (7,), 99, (2,), True, decode=True), SeqChunk(4, (8,), 9, (3,), True, decode=True))
     plan = StepPlan("m", chunks, MemoryOps(restores=((0, 5), (1, 6))))
     want_prefill = prefill.seconds(30, 0) + prefill.seconds(20, 64) - prefill.base_s  # the fixed cost once
-    want_restore = 2 * 16 * p.model("m").kv_bytes_per_token / p.bandwidth.restore  # 2 pages of 16 tokens
+    want_restore = 2 * 16 * p.model("m").token_bytes / p.bandwidth.restore  # 2 pages of 16 tokens
     assert p.step_parts(plan, 16) == pytest.approx((want_prefill, want_restore, decode.seconds(2, 100 + 10)))
     assert p.step_s(plan, 16) == pytest.approx(want_prefill + want_restore + decode.seconds(2, 110), rel=1e-15)
     assert p.step_s(StepPlan("m", ()), 16) == 0.0
+
+
+def test_a_step_prices_its_state_restores_with_its_page_restores():
+    p = make_profile(state_bytes=1 << 20)
+    decode = (SeqChunk(3, (7,), 99, (2,), True, decode=True),)
+    both = StepPlan("m", decode, MemoryOps(restores=((0, 5), (1, 6)), state_restores=((4, 1),)))
+    assert p.step_parts(both, 16)[1] == (2 * 16 * 131_072 + (1 << 20)) / p.bandwidth.restore
+    alone = StepPlan("m", decode, MemoryOps(state_restores=((4, 1), (5, 2))))  # two snapshots, no pages
+    assert p.step_parts(alone, 16)[1] == 2 * (1 << 20) / p.bandwidth.restore
+    assert p.step_s(alone, 16) == p.decode_s("m", 1, 100) + 2 * (1 << 20) / p.bandwidth.restore
 
 
 def test_lookups_of_unknown_models_say_what_exists():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,7 +23,8 @@ STATS = InstanceStats("cold-0", 1, 2, 3, 40, models=("a", "b"), active_model="a"
                       sessions=({"session": "s", "model": "a", "kv_tokens": 32, "location": KVLocation.HOST,
                                  "device_tokens": 0, "host_tokens": 32},),
                       last_switches=({"path": "partial"},), time=12.5, page_size=16,
-                      cost_scale={"a/decode": 1.25})
+                      cost_scale={"a/decode": 1.25}, page_bytes={"a": 4096, "b": 8192},
+                      state_bytes={"a": 0, "b": 1000}, state_slots={"a": 0, "b": 6})
 
 
 def test_an_envelope_survives_json_field_for_field():
@@ -32,6 +34,15 @@ def test_an_envelope_survives_json_field_for_field():
     assert back == t
     assert back.instances["cold-0"].stats.pool is Pool.COLD
     assert back.instances["cold-0"].stats.sessions[0]["location"] == KVLocation.HOST
+
+
+def test_a_snapshot_from_before_the_cache_sizes_reads_with_none_known():
+    entry = InstanceTelemetry(True, 0, ("a", "b"), STATS, None).to_dict()
+    for key in ("page_bytes", "state_bytes", "state_slots"):
+        del entry["stats"][key]
+    stats = NodeTelemetry.from_dict({"instances": {"cold-0": entry}}).instances["cold-0"].stats
+    assert (stats.page_bytes, stats.state_bytes, stats.state_slots) == ({}, {}, {})
+    assert stats == dataclasses.replace(STATS, page_bytes={}, state_bytes={}, state_slots={})
 
 
 def test_an_entry_this_version_cannot_read_costs_only_itself():

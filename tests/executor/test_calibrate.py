@@ -29,6 +29,8 @@ def test_profile_measures_all_three_switch_paths_and_leaves_the_first_model_inta
     core = calibrated(two, staging_chunk_bytes=4096, host_kv_bytes=1 << 20)
     for f in two:
         mp = core.profile.model(f.name)
+        layout = core.executor.substrate.images[f.name].layout  # the cache sizes are the descriptor's
+        assert (mp.token_bytes, mp.state_bytes) == (layout.token_bytes, layout.state_bytes) != (0, 0)
         assert set(mp.switch) == {"h2d_only", "full_d2d", "partial"}, f.name
         assert all(cost.total_s > 0 for cost in mp.switch.values())
         assert f"of {mp.weights_bytes} weight bytes staged" in mp.sources["switch.partial"]

@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from talaria.config.schema import ModelConfig, Pool
 from talaria.contracts.call import InstanceCall
+from talaria.contracts.kv_layout import kv_layout
 from talaria.contracts.profile import (
     Bandwidth,
     DecodeCurve,
@@ -148,7 +149,7 @@ def profile_for(tmp_path_factory):
     """A hand-written cost profile, so no start-up calibration runs (costs hardly matter here:
     switches are forced and rounds last an hour)."""
     def write(files: list[ModelFiles], tp: int) -> str:
-        models = {f.name: ModelProfile(f.name, 1 << 20, f.arch.kv_bytes_per_token(8) // tp,
+        models = {f.name: ModelProfile(f.name, 1 << 20, kv_layout(f.arch, tp, 16, f.dtype).token_bytes,
                                        PrefillCurve(1e-3, 1e-5), DecodeCurve(1e-3, 1e-4),
                                        {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0, 1e-2, 0, 0, 0))})
                   for f in files}

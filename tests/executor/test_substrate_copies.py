@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from talaria.config.schema import Pool
-from talaria.contracts.step_plan import MemoryOps
+from talaria.contracts.kv_layout import CacheTensor, KVLayout
+from talaria.contracts.step_plan import MemoryOps, SaveOp
 from talaria.executor import substrate
 from talaria.executor.executor import Executor
 from talaria.executor.parallel import TPGroup
@@ -38,13 +39,13 @@ def test_restores_copy_each_slab_into_its_page(model_cache, width: str) -> None:
     files = [tiny_files("llama", model_cache), tiny_files("qwen3", model_cache)]
     served = files if width == "slabs wider than pages" else files[:1]
     sub = Executor(instance(served, pool=Pool.COLD, host_kv_bytes=1 << 20), served, TPGroup(0, 1)).substrate
-    pb = sub.kv_bytes.shape[1]
+    pb = sub.kv.pages.shape[1]
     assert (pb < sub.slabs.shape[1]) == (width == "slabs wider than pages")
     sub.slabs.copy_(torch.randint(0, 256, sub.slabs.shape, dtype=torch.uint8))
     pairs = ((3, 0), (4, 1), (5, 2), (9, 7), (1, 8), (2, 9))
     sub.before_step(MemoryOps(restores=pairs))
     for slab, page in pairs:
-        assert torch.equal(sub.kv_bytes[page].cpu(), sub.slabs[slab, :pb]), (slab, page)
+        assert torch.equal(sub.kv.pages[page].cpu(), sub.slabs[slab, :pb]), (slab, page)
 
 
 def test_the_copy_thread_runs_on_one_core_and_the_rank_gpu(monkeypatch) -> None:
@@ -64,3 +65,35 @@ def test_a_substrate_binds_its_copy_thread_to_its_arena_device(model_cache) -> N
     assert sub.arena.device.type == engine_device()
     on = sub.copier.submit(lambda: torch.cuda.current_device() if sub.arena.device.type == "cuda" else None)
     assert on.result() == sub.arena.device.index
+
+
+def test_state_ops_move_state_slots_in_order_and_saves_carry_snapshots(model_cache, monkeypatch) -> None:
+    """A stateful layout built here (the model's own k/v, plus a per-sequence `ssm` on layer 0):
+    the arena gets a state region below the page pool, and a step's state ops run in their order:
+    copies (a snapshot taken, then one loaded), zeroing, host restores; a save copies a snapshot
+    into its state slab beside the pages."""
+    real = substrate.kv_layout
+
+    def hybrid(arch, tp, page_size, dtype):
+        gqa = real(arch, tp, page_size, dtype)
+        return KVLayout(page_size, (*gqa.tensors, CacheTensor("ssm", (0,), (3, 5), dtype, False)))
+
+    monkeypatch.setattr(substrate, "kv_layout", hybrid)
+    files = [tiny_files("llama", model_cache)]
+    cfg = instance(files, host_kv_bytes=16 << 20)
+    sub = Executor(cfg, files, TPGroup(0, 1)).substrate
+    states, plan = sub.kv.states, sub.plan
+    # host states and pages in the arena's proportion: its state region against its page pool
+    share = plan.states.size / (plan.states.size + plan.num_pages * plan.page_bytes)
+    assert sub.state_slabs.shape[0] == int((16 << 20) * share) // states.shape[1] > 2
+    assert states.shape == (2 * cfg.max_running, 3 * 5 * 8) and plan.states.end <= plan.kv.start
+    assert sub.kv.view("ssm", 0).shape == (2 * cfg.max_running, 3, 5) and sub.kv.view("ssm", 0).dtype == torch.float64
+    states.copy_(torch.randint(0, 256, states.shape, dtype=torch.uint8))
+    sub.state_slabs.copy_(torch.randint(0, 256, sub.state_slabs.shape, dtype=torch.uint8))
+    before, slab = states.clone(), sub.state_slabs[1].clone()
+    sub.before_step(MemoryOps(state_copies=((0, 3), (3, 1)), state_zero=(2,), state_restores=((1, 0),)))
+    assert torch.equal(states[3], before[0]) and torch.equal(states[1], before[0])  # in list order
+    assert not states[2].any() and torch.equal(states[0], slab)
+    sub.before_step(MemoryOps(saves=(SaveOp(7, 0, ((0, 0),), ((1, 2),)),)))
+    sub.wait_save(7)
+    assert torch.equal(sub.state_slabs[2], states[1]) and torch.equal(sub.slabs[0], sub.kv.pages[0])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from talaria.config.schema import Ablation, InstanceConfig, Pool
 from talaria.contracts.call import CallOutput, InstanceCall, SamplingParams
 from talaria.contracts.events import Event
+from talaria.contracts.kv_layout import sized_layout
 from talaria.contracts.profile import (
     Bandwidth,
     DecodeCurve,
@@ -43,6 +44,7 @@ from tests.instance.copy_events import CopyEventsStandIn
 
 PS = 4
 PAGE_BYTES = 256
+LAYOUT = sized_layout(PS, PAGE_BYTES // PS)  # per-token KV only
 WEIGHTS = {"a": 1024, "b": 1280, "c": 768}
 PAGES = {"a": 8, "b": 7, "c": 9}  # what the layout leaves each model (checked below)
 PROMPT = (10, 11, 12, 13, 14, 15)
@@ -150,14 +152,14 @@ def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds:
     arena = 3584 + extra_pages * PAGE_BYTES
     layout = BumpLayout(arena, 256)
     for m in models:
-        layout.register(m, WEIGHTS[m], PAGE_BYTES)
+        layout.register(m, WEIGHTS[m], LAYOUT)
     config = InstanceConfig("inst0", Pool.HOT if hot else Pool.COLD, models, arena_bytes=arena, page_size=PS,
                             max_batch_tokens=max_batch_tokens, max_running=8,
                             host_kv_bytes=host_slabs * PAGE_BYTES if hkvr else 0, ablations=(Ablation.STAGING,))
     round_config = RoundConfig(**{**{f: getattr(rounds, f) for f in RoundConfig.__slots__},
                                   "max_batch_tokens": max_batch_tokens})
     events, clock = CopyEventsStandIn(), FakeClock(now)
-    served = [ServedModel(m, WEIGHTS[m], PAGE_BYTES, 64, (2,)) for m in models]
+    served = [ServedModel(m, WEIGHTS[m], LAYOUT, 64, (2,)) for m in models]
     s = assemble(config, layout, served, toy_profile(models, prefill_base_s), events, clock, learn=learn, rounds=round_config)
     return Instance(s, s.memory, s.memory.host, events, clock, RankLedger(0, PS))
 

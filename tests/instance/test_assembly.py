@@ -12,6 +12,7 @@ from talaria.instance.rounds import RoundConfig
 from talaria.memory.bump_layout import BumpLayout
 from tests.instance.copy_events import CopyEventsStandIn
 from tests.instance.scheduler_harness import (
+    LAYOUT,
     PAGE_BYTES,
     PS,
     WEIGHTS,
@@ -27,8 +28,8 @@ COLD = InstanceConfig("c", Pool.COLD, ("a", "b"), arena_bytes=8192, page_size=PS
 def build(config: InstanceConfig, models=("a", "b"), **options):
     layout = BumpLayout(config.arena_bytes, 256)
     for m in models:
-        layout.register(m, WEIGHTS[m], PAGE_BYTES)
-    served = [ServedModel(m, WEIGHTS[m], PAGE_BYTES, 100 + i, (7,)) for i, m in enumerate(models)]
+        layout.register(m, WEIGHTS[m], LAYOUT)
+    served = [ServedModel(m, WEIGHTS[m], LAYOUT, 100 + i, (7,)) for i, m in enumerate(models)]
     return assemble(config, layout, served, toy_profile(models), CopyEventsStandIn(), FakeClock(2.0), **options)
 
 

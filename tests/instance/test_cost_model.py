@@ -7,11 +7,13 @@ profiled, and the correction must follow and show in telemetry.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from talaria.contracts.step_plan import StepPlan
 from talaria.instance.cost_model import CostModel
-from tests.instance.scheduler_harness import PS, call, instance, toy_profile
+from tests.instance.scheduler_harness import PS, RESTORE_S, call, instance, toy_profile
 
 
 def test_a_hot_instance_learns_that_its_steps_run_slower_than_its_profile():
@@ -66,3 +68,12 @@ def test_a_step_is_predicted_as_the_profile_prices_it_times_each_parts_correctio
     prefill, restore, decode = profile.step_parts(plan, PS)
     assert costs.step_s(plan) == pytest.approx(3.0 * (prefill + restore) + 0.5 * decode)
     assert costs.step_s(StepPlan("a", ())) == 0.0
+
+
+def test_a_state_restore_is_priced_beside_its_pages_and_corrected_with_prefill():
+    base = toy_profile(["a"])
+    profile = base.with_model(dataclasses.replace(base.model("a"), state_bytes=3 * base.model("a").token_bytes))
+    costs = CostModel(profile, PS)
+    costs.observe("a", "prefill", 1.0, 2.0)
+    assert costs.restore_s("a", 5, states=1) == pytest.approx(2.0 * 8 * RESTORE_S)  # 5 tokens + 3 tokens' bytes
+    assert costs.restore_s("a", 5) == pytest.approx(2.0 * 5 * RESTORE_S)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from talaria.contracts.call import InstanceCall, SamplingParams
+from talaria.contracts.kv_layout import sized_layout
 from talaria.contracts.step_plan import MemoryOps
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.instance.batcher import Batcher
@@ -58,7 +59,7 @@ def rank0(*models: str, poison: bool = False) -> Rank0:
     """Model a open, staging towards the next model, as Scheduler.switched leaves it."""
     layout = BumpLayout(3584, 256)
     for m in models:
-        layout.register(m, WEIGHTS[m], PAGE_BYTES)
+        layout.register(m, WEIGHTS[m], sized_layout(PS, PAGE_BYTES // PS))
     events = CopyEventsStandIn()
     stager = Stager(CHUNK)
     memory = MemoryPlanner(layout, {m: WEIGHTS[m] for m in models}, PS, HostKVRegistry(8, PAGE_BYTES), stager,

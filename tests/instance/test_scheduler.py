@@ -45,6 +45,8 @@ def test_the_toy_layout_gives_each_model_its_own_pool_size():
     assert {m: inst.memory.layout.plan(m).num_pages for m in WEIGHTS} == PAGES
     assert inst.scheduler.active == "a"
     assert inst.scheduler.stats().kv_pages_total == PAGES["a"]
+    stats = inst.scheduler.stats()  # each model's cache sizes, from its layout, for telemetry
+    assert (stats.page_bytes, stats.state_bytes) == ({"a": 256, "b": 256, "c": 256}, {"a": 0, "b": 0, "c": 0})
 
 
 # ---- which model has the group -----------------------------------------------------------------

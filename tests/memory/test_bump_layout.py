@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from talaria.contracts.kv_layout import sized_layout
 from talaria.memory.bump_layout import (
     Bases,
     BumpLayout,
@@ -21,10 +22,10 @@ PAGE = 2048
 @pytest.fixture
 def layout() -> BumpLayout:
     lay = BumpLayout(ARENA, RUNTIME)
-    lay.register("small", 10_000, PAGE)  # weights [0, 10240)
-    lay.register("large", 40_000, PAGE)  # weights [0, 40192)
-    lay.register("same", 10_200, PAGE)  # aligns to the same 10240 as "small"
-    lay.register("huge", 52_000, PAGE)  # weights [0, 52224): 1024 bytes short of 5 pages
+    lay.register("small", 10_000, sized_layout(1, PAGE))  # weights [0, 10240)
+    lay.register("large", 40_000, sized_layout(1, PAGE))  # weights [0, 40192)
+    lay.register("same", 10_200, sized_layout(1, PAGE))  # aligns to the same 10240 as "small"
+    lay.register("huge", 52_000, sized_layout(1, PAGE))  # weights [0, 52224): 1024 bytes short of 5 pages
     return lay
 
 
@@ -102,13 +103,13 @@ def test_pages_overlapping_never_includes_the_null_page(layout):
 def test_plans_are_deterministic(layout):
     assert layout.plan("small") == layout.plan("small")
     other = BumpLayout(ARENA, RUNTIME)
-    other.register("small", 10_000, PAGE)
+    other.register("small", 10_000, sized_layout(1, PAGE))
     assert other.plan("small") == layout.plan("small")
 
 
 def test_unaligned_runtime_is_rounded_down_to_an_aligned_start():
     lay = BumpLayout(ARENA, 4000)
-    lay.register("m", 10_000, PAGE)
+    lay.register("m", 10_000, sized_layout(1, PAGE))
     assert lay.plan("m").runtime == Region(61440, 65536)  # 65536 - 4000 = 61536 rounds down to 61440
 
 
@@ -126,20 +127,20 @@ def test_model_too_large_raises_layout_error_with_missing_bytes(layout):
 
 def test_exactly_min_arena_bytes_fits_with_min_pages(layout):
     lay = BumpLayout(layout.min_arena_bytes("huge"), RUNTIME)
-    lay.register("huge", 52_000, PAGE)
+    lay.register("huge", 52_000, sized_layout(1, PAGE))
     assert lay.plan("huge").num_pages == BumpLayout.MIN_PAGES
     smaller = BumpLayout(layout.min_arena_bytes("huge") - 256, RUNTIME)
-    smaller.register("huge", 52_000, PAGE)
+    smaller.register("huge", 52_000, sized_layout(1, PAGE))
     with pytest.raises(LayoutError, match="256 bytes short"):
         smaller.plan("huge")
 
 
 def test_register_conflicts_and_unknown_models(layout):
-    layout.register("small", 10_000, PAGE)  # same sizes: no-op
+    layout.register("small", 10_000, sized_layout(1, PAGE))  # same sizes: no-op
     with pytest.raises(ValueError, match="already registered"):
-        layout.register("small", 10_001, PAGE)
+        layout.register("small", 10_001, sized_layout(1, PAGE))
     with pytest.raises(ValueError):
-        layout.register("zero", 0, PAGE)
+        layout.register("zero", 0, sized_layout(1, PAGE))
     with pytest.raises(KeyError, match="not registered"):
         layout.plan("nope")
 

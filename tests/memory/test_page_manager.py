@@ -384,3 +384,29 @@ def test_all_clean_is_free_and_caching_nothing_for_every_page_of_the_range():
     assert pm.all_clean(range(5, 12)) and not pm.all_clean(range(1, 2)) and not pm.all_clean(range(3, 4))
     pm.unpin([pages[3]])
     check()
+
+
+# ---- state slots and snapshots (a stateful layout) ----------------------------------------------
+
+
+def test_a_stateful_pool_resumes_only_at_a_snapshot_and_evicts_snapshots_least_recently_used():
+    from talaria.contracts.kv_layout import CacheTensor, KVLayout
+
+    layout = KVLayout(PS, (CacheTensor("k", (0,), (1, 2), "float32", True),
+                           CacheTensor("conv", (1,), (3, 4), "float32", False)))
+    pm = PageManager(8, PS, layout=layout, state_slots=3)
+    hashes = published(pm, pm.allocate(4))  # pages 0..3 cached under 1000..1003
+    assert pm.resume_prefix(hashes) == []  # no snapshot: nothing to resume from, whatever is cached
+    live = pm.take_state()
+    assert (live, pm.publish_snapshot(1001), pm.publish_snapshot(1003)) == (0, 1, 2)
+    assert pm.publish_snapshot(1003) is None  # already published: no second copy
+    assert pm.resume_prefix(hashes) == [0, 1, 2, 3] and pm.resume_prefix(hashes[:3]) == [0, 1]
+    pm.pin_state(1)  # a copy reads the snapshot after page 1: it is not evicted
+    assert pm.states_free == 1 and pm.publish_snapshot(1000) == 2  # evicts 1003's, the oldest unpinned
+    assert (pm.snapshot(1003), pm.resume_prefix(hashes)) == (None, [0, 1])
+    assert (pm.publish_snapshot(1002), pm.snapshot(1000)) == (2, None)  # a newer one takes the LRU's slot
+    pm.take_state()  # the last unpinned snapshot goes to a live state: none is left to take
+    assert pm.states_free == 0 and pm.publish_snapshot(1003) is None and pm.snapshot(1002) is None
+    pm.unpin_state(1)
+    pm.free_state(live)
+    assert pm.states_free == 2 and pm.take_state() == 0  # a free slot before any snapshot is evicted

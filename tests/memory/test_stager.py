@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from talaria.contracts.kv_layout import sized_layout
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.memory.bump_layout import BumpLayout, LayoutPlan, Region
 from talaria.memory.stager import ChunkState, Stager, StagingError
@@ -17,7 +18,7 @@ CHUNK = 4096
 
 def plan(weight_bytes: int) -> LayoutPlan:
     lay = BumpLayout(65536, 4096)
-    lay.register("m", weight_bytes, 2048)
+    lay.register("m", weight_bytes, sized_layout(1, 2048))
     return lay.plan("m")
 
 

@@ -61,7 +61,8 @@ def _write(tmp_path: Path, text: str) -> Path:
 def test_arena_too_small_names_bytes_needed_and_a_value(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, _minimal(instance='arena_bytes = "100KiB"\n')))
     arch = synthetic_arch(SyntheticShape())
-    need = arch.param_count() * 4 + 4 * 16 * arch.kv_bytes_per_token(4)  # fp32, 4 pages of 16
+    page = 2 * 2 * 2 * 16 * 4 * 16  # k and v x 2 layers x 2 KV heads x head_dim 16 x fp32 x 16 tokens
+    need = arch.param_count() * 4 + 4 * page  # fp32 weights, 4 pages
     with pytest.raises(ConfigError) as info:
         check_files(cfg)
     (line,) = info.value.problems
@@ -75,6 +76,38 @@ def test_file_checks_report_arena_room_and_unserved_models(tmp_path: Path) -> No
     info = check_files(load_config(_write(tmp_path, text)))
     assert any(line.startswith('instance "c": arena 1 GiB per rank') and "KV pages" in line for line in info)
     assert 'note: model "spare" is in [[models]] but no instance serves it' in info
+
+
+def test_each_instance_reports_its_models_page_and_state_bytes_per_rank(tmp_path: Path) -> None:
+    # 2 layers, 4 KV heads of 16 dims, bfloat16: tp 2 leaves 2 heads a rank; pages of 8 tokens
+    shape = "hidden_size = 64\nnum_heads = 4\nnum_kv_heads = 4\n"
+    text = _minimal(shape, "tp = 2\npage_size = 8\n").replace('source = "synthetic:"',
+                                                               'source = "synthetic:"\ndtype = "bfloat16"')
+    info = check_files(load_config(_write(tmp_path, text)))
+    # k and v x 2 layers x 2 heads x 16 dims x 2 B = 256 B a token; x 8 tokens = 2048 B a page
+    assert ('instance "c" model "m" cache: page 2048 B (8 tokens, 256 B a token), state 0 B; '
+            "k 2x16 bfloat16 on 2 layers, v 2x16 bfloat16 on 2 layers") in info
+
+
+def test_a_stateful_cache_counts_its_state_slots_in_the_arena(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    from talaria.contracts.kv_layout import sized_layout
+    from talaria.node import preflight
+
+    # a cache of 64 B a token and a 1000 B state a sequence: max_running 3 keeps 6 state slots
+    monkeypatch.setattr(preflight, "kv_layout", lambda arch, tp, page_size, dtype: sized_layout(page_size, 64, 1000))
+    weights = synthetic_arch(SyntheticShape()).param_count() * 4
+    need = weights + 6 * 1000 + 4 * 16 * 64  # weights, state slots, 4 pages of 16 tokens
+    fits = check_files(load_config(_write(tmp_path, _minimal(instance=f"max_running = 3\narena_bytes = {need}\n"))))
+    assert (f'instance "c": arena {format_size(need)} per rank; its largest model "m" takes '
+            f"~{format_size(weights)} and 5.86 KiB of state slots, leaving room for ~4 KV pages (64 tokens) "
+            "less runtime buffers") in fits
+    assert ('instance "c" model "m" cache: page 1024 B (16 tokens, 64 B a token), state 1000 B; '
+            "kv 64 uint8 on 1 layer, state 1000 uint8 on 1 layer per sequence; 6 state slots") in fits
+    with pytest.raises(ConfigError) as info:
+        check_files(load_config(_write(tmp_path, _minimal(instance=f"max_running = 3\narena_bytes = {need - 1}\n"))))
+    (line,) = info.value.problems
+    assert f"needs at least {need} bytes" in line and "+ 5.86 KiB of state slots + 4 KV pages of 16 tokens" in line
 
 
 SMOLLM2 = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

@@ -1,7 +1,8 @@
 """`talaria.routing.costs` for sessions: a new session is charged the load of the sessions admitted
 before it and must start within the TTFT target and leave their prefixes room; what one call of an
-admitted session is priced at; the instance's measured cost scale. Only the wait the others cause
-is held against a new session, never its own prefill. Toy profile of the router tests
+admitted session is priced at; the instance's measured cost scale; the resume rule for a model whose
+cache keeps per-sequence state. Only the wait the others cause is held against a new session, never
+its own prefill. Toy profile of the router tests
 (prefill 1 ms per token; decode 10 ms a step, nothing per sequence), one cold instance whose rounds
 last 10 s (round admission: 20 s), a pool of 1,000 pages of 16 tokens."""
 
@@ -16,7 +17,11 @@ from talaria.contracts.profile import DecodeCurve
 from talaria.routing.costs import window_gain
 from talaria.routing.decision import Reason, RouteRequest
 from talaria.routing.session_load import InstanceLoad
-from tests.routing.test_router import PROFILE, Clock, router, snapshot
+from tests.routing.test_router import PROFILE, Clock, req, router, serve, snapshot
+
+# model m with a state slot of 400 tokens' bytes: its snapshot restores in 0.1 s (a token in 0.25 ms)
+STATEFUL = PROFILE.with_model(dataclasses.replace(PROFILE.models["m"],
+                                                  state_bytes=400 * PROFILE.models["m"].token_bytes))
 
 
 def new(prompt: int = 500, session: str = "new") -> RouteRequest:
@@ -128,3 +133,35 @@ def test_a_control_window_of_arrivals_can_pay_for_a_replica_one_call_cannot(repl
     r.observe("a", snapshot("a", active="n", waiting=2, busy=("m",), version=2))
     r.observe("b", snapshot("b", active="n", version=2))
     assert r.route(RouteRequest("m", None, 1000, 1, "r")).instance == expected
+
+
+@pytest.mark.parametrize(("location", "c_kv"), [("host", 2000 * 0.00025 + 0.1), ("device", 0.0)])
+def test_a_stateful_session_resumes_at_its_last_full_page_and_restores_its_state_with_its_pages(location, c_kv):
+    """The session kept 2,010 tokens; its state was snapshotted at page 125 (2,000 tokens), so its
+    next call of 2,100 reuses 2,000 and prefills 100. From host: 2,000 tokens' pages and the state."""
+    clock = Clock()
+    r, _ = router(("a", snapshot("a")), clock=clock, lease_s=0.0)
+    r.views["a"].profile = STATEFUL
+    serve(r, req(prompt=2010), clock)
+    clock.now += 0.1  # a snapshot taken after the call completed
+    r.observe("a", snapshot("a", version=2, sessions=[{"session": "s", "model": "m", "location": location,
+                                                       "kv_tokens": 2010}]))
+    cost = r.route(req(prompt=2100)).cost
+    assert (cost.kv, cost.c_kv_s, cost.prefill_s) == (location, pytest.approx(c_kv, rel=1e-12),
+                                                     pytest.approx(100 * 0.001, rel=1e-12))
+    r.views["a"].profile = PROFILE  # attention KV alone resumes at any token: 2,010 restored, 90 prefilled
+    r.views["a"].terms = {}
+    cost = r.route(req(prompt=2100)).cost
+    assert (cost.c_kv_s, cost.prefill_s) == (pytest.approx(2010 * 0.00025 if location == "host" else 0.0),
+                                             pytest.approx(90 * 0.001))
+
+
+def test_an_admitted_stateful_session_is_priced_from_its_snapshot_not_from_its_last_token():
+    r, view = one()
+    view.profile, view.terms = STATEFUL, {}
+    # 990 kept tokens: the snapshot after page 61 (976 tokens); the other 24 are prefilled again
+    assert r.costs.work_s(view, "m", 1000, 990, 0) == pytest.approx(24 * 0.001)
+    # a prompt shorter than the kept prefix reuses less than its snapshot: the state starts from zeros
+    assert r.costs.work_s(view, "m", 500, 990, 0) == pytest.approx(500 * 0.001)
+    view.profile, view.terms = PROFILE, {}
+    assert r.costs.work_s(view, "m", 1000, 990, 0) == pytest.approx(10 * 0.001)

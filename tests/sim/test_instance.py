@@ -10,6 +10,7 @@ of inside its batch, or ignoring its cached prefix, would show.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
@@ -32,6 +33,7 @@ from talaria.contracts.profile import (
 from talaria.contracts.step_plan import StepPlan, SwitchPlan
 from talaria.contracts.trace import TraceCall
 from talaria.contracts.vocabulary import SwitchPath
+from talaria.memory.bump_layout import ALIGN
 from talaria.sim import simulation
 from talaria.sim.instance import SimInstance
 from talaria.sim.loop import EventLoop, VirtualClock
@@ -154,3 +156,39 @@ def call_of(model: str):
     from talaria.contracts.call import InstanceCall, SamplingParams
 
     return InstanceCall(f"{model}-1", model, tuple(range(40)), SamplingParams(max_tokens=4, temperature=0.0))
+
+
+def test_a_stateful_models_state_region_is_laid_out_and_counted_in_hbm():
+    """A model whose profile gives a state slot gets `max_running` live states and as many snapshots
+    above its weights (the cache layout rebuilt from the profile), and they count in the HBM peak."""
+    state = 64 * KV_PER_TOKEN
+    profile = PROFILE.with_model(dataclasses.replace(PROFILE.model("m"), state_bytes=state))
+    loop = EventLoop(VirtualClock())
+    inst = SimInstance(INSTANCE, profile, loop, lambda i, o: None, lambda e: None)
+    plan, slots = inst.layout.plan("m"), 2 * INSTANCE.max_running
+    assert (plan.num_state_slots, plan.state_bytes, plan.page_bytes) == (slots, state, 16 * KV_PER_TOKEN)
+    assert plan.states.size == -(-slots * state // ALIGN) * ALIGN and plan.kv.start == plan.states.end
+    assert inst.layout.plan("n").states.size == 0  # n keeps no state
+    inst.add(call_of("m"))  # 40 prompt tokens and 4 out: 3 pages of 16 at most
+    loop.run()
+    assert inst.hbm_peak_bytes == plan.weights.size + plan.states.size + inst.runtime_bytes + 3 * plan.page_bytes
+
+
+def test_a_stateful_models_steps_are_charged_as_predicted_and_resume_through_snapshots():
+    """The agent trace with model m given a per-sequence state: prompt chunks end on page boundaries
+    (the scheduler's fit and the batcher's chunk agree), snapshots are taken, saved with the pages
+    and restored from host, and every step is charged exactly what the scheduler predicted."""
+    profile = PROFILE.with_model(dataclasses.replace(PROFILE.model("m"), state_bytes=64 * KV_PER_TOKEN))
+    Recording.seen = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(simulation, "SimInstance", Recording)
+        result = Simulation(CONFIG, profile, agent_trace()).run()
+    assert all(c.done is not None and c.error is None for c in result.calls)
+    steps = [(p, predicted, charged) for p, predicted, charged in Recording.seen if isinstance(p, StepPlan)]
+    for plan, predicted, charged in steps:
+        assert charged == pytest.approx(predicted, rel=1e-9), plan
+    ops = [p.ops for p, _, _ in steps if p.model == "m" and p.ops is not None]
+    assert sum(len(o.state_copies) for o in ops) and sum(len(o.state_zero) for o in ops)
+    assert sum(len(s.states) for o in ops for s in o.saves) and sum(len(o.state_restores) for o in ops)
+    chunks = [c for p, _, _ in steps if p.model == "m" for c in p.chunks if not c.decode and c.prefix]
+    assert chunks and all(c.start_pos % 16 == 0 for c in chunks)  # every resume is at a page boundary

@@ -38,6 +38,22 @@ def test_the_arena_splits_into_weights_kv_staging_free_and_runtime():
     assert arena.total == PROFILE.device_bytes and arena.ranks == 2 and arena.model == "a"
 
 
+def test_the_snapshots_page_bytes_size_the_pool_and_a_stateful_model_shows_its_state_slots():
+    stats = dataclasses.replace(STATS, page_bytes={"a": 1280, "b": 1024}, state_bytes={"a": 500, "b": 0},
+                                state_slots={"a": 8, "b": 0})
+    arena = arena_usage(stats, PROFILE)
+    # pages of 1,280 B (not 16 x 64): a pool of 128,000 B, 10 in use; 8 state slots of 500 B above the
+    # weights; the runtime is what is left of the 200,000 B arena
+    assert arena.regions() == [("weights", 50_000), ("state", 4_000), ("kv", 12_800), ("staging", 10_000),
+                               ("free", 105_200), ("runtime", 18_000)]
+    assert (arena.page_bytes, arena.state_bytes) == (1280, 500) and arena.total == PROFILE.device_bytes
+
+
+def test_a_snapshot_without_page_bytes_prices_pages_from_the_profile():
+    arena = arena_usage(STATS, PROFILE)
+    assert (arena.page_bytes, arena.state_bytes, arena.state) == (16 * 64, 0, 0)
+
+
 def test_on_cuda_the_runtime_region_is_unknown():
     arena = arena_usage(STATS, dataclasses.replace(PROFILE, device="cuda", device_bytes=80 << 30))
     assert arena.runtime is None and [r for r, _ in arena.regions()] == ["weights", "kv", "staging", "free"]

@@ -73,6 +73,25 @@ async def test_a_live_node_snapshot(panel):
         check_snapshot(f"live-{panel}", panel_text(app, panel))
 
 
+async def test_a_stateful_models_state_slots_are_a_region_of_their_own():
+    """cold-0's snapshot says its active model keeps 8 state slots of 500 B and pages of 1 KiB."""
+    body = json.loads(json.dumps(TELEMETRY))
+    stats = body["instances"]["cold-0"]["stats"]
+    stats |= {"page_bytes": {"tiny-llama": 16384, "tiny-qwen3": 1024},
+              "state_bytes": {"tiny-llama": 0, "tiny-qwen3": 500}, "state_slots": {"tiny-llama": 0, "tiny-qwen3": 8}}
+    app = replay_app([])
+    async with app.run_test(size=SIZE) as pilot:
+        await finished(app, pilot)
+        app.state.apply_telemetry(body)
+        app.redraw()
+        await pilot.pause()
+        lines = [line.strip("│ ") for line in panel_text(app, "memory").splitlines()]
+    assert lines[1] == "█ weights  ▞ state  ▓ kv  ▒ staging  ░ free  ▚ runtime"
+    assert "page 1.0 KiB · state 500 B x 8 slots" in lines
+    assert any(line.startswith("█▞▓▒░") for line in lines)  # cold-0's bar: the state slots above its weights
+    assert "page 720.0 KiB · state 0 B" in lines  # hot-0: an older snapshot, its page from the profile
+
+
 @pytest.mark.parametrize("panel", PANELS)
 async def test_a_replay_snapshot_mid_round(panel):
     """The log up to seq 26 with no telemetry: round 2 of cold-0 is open, with an SP admission."""

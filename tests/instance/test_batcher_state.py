@@ -1,0 +1,247 @@
+"""The batcher, page manager and host KV registry with a stateful cache layout: exact plans.
+
+The layout is built here, as a hybrid model's would be: per-token `k` and `v` on layers 1 and 3,
+a per-sequence `ssm` state on layers 0 and 2. Such a cache resumes only where a state snapshot was
+published (`KVLayout.resume_pages`): every test asserts the positions a sequence resumes at and the
+state ops (copies, zeroing, host restores) a step carries, with a toy pool of 16 pages of 4 tokens,
+4 state slots and a host registry of 16 page slabs and 4 state slabs.
+"""
+
+from __future__ import annotations
+
+from talaria.contracts.call import InstanceCall, SamplingParams
+from talaria.contracts.kv_layout import CacheTensor, KVLayout
+from talaria.contracts.step_plan import SaveOp, SeqChunk
+from talaria.instance.batcher import Batcher
+from talaria.instance.sequence import SeqStatus, Sequence
+from talaria.memory.host_kv_registry import HostKVRegistry, Kind, SaveEntry
+from talaria.memory.page_manager import PageManager
+
+PS = 4
+EOS = 2
+LAYOUT = KVLayout(PS, (CacheTensor("k", (1, 3), (2, 4), "float32", True),
+                       CacheTensor("v", (1, 3), (2, 4), "float32", True),
+                       CacheTensor("ssm", (0, 2), (2, 4, 4), "float32", False)))
+
+
+def pool(pages: int = 16, slots: int = 4) -> PageManager:
+    return PageManager(pages, PS, layout=LAYOUT, state_slots=slots)
+
+
+def host() -> HostKVRegistry:
+    return HostKVRegistry(16, LAYOUT.page_bytes, 4, LAYOUT.state_bytes, {"m": LAYOUT})
+
+
+def batcher(pages: PageManager | None = None, reg: HostKVRegistry | None = None, budget: int = 32,
+            max_running: int = 2) -> Batcher:
+    return Batcher("m", pages or pool(), budget, max_running, 256, (EOS,), reg)
+
+
+def seq(seq_id: int, prompt: list[int], max_tokens: int = 16) -> Sequence:
+    call = InstanceCall(f"r{seq_id}", "m", tuple(prompt), SamplingParams(max_tokens=max_tokens))
+    return Sequence(seq_id, call, list(prompt), 0.0)
+
+
+def drain_states(b: Batcher) -> tuple[list, list, list]:
+    """The state ops decided since the last drain, as the memory planner takes them."""
+    return tuple(list(part) for part in b.states.drain())
+
+
+def agree_saves(b: Batcher, reg: HostKVRegistry, agreed: int | None = None) -> list[SaveOp]:
+    """Finish every host save the batcher decided, publishing `agreed` pages (default: all)."""
+    saves, b.saves = b.saves, []
+    for s in saves:
+        ticket = reg.ticket(s.ticket)
+        reg.finish_save(ticket, agreed if agreed is not None else len(ticket.entries))
+        b.saved(s.ticket)
+    return saves
+
+
+def test_the_layout_places_tokens_in_pages_and_states_in_slots():
+    assert LAYOUT.page_bytes == 2 * 2 * PS * 2 * 4 * 4  # k and v, 2 layers, 4 tokens of 2x4 fp32
+    assert LAYOUT.state_bytes == 2 * 2 * 4 * 4 * 4  # ssm on 2 layers, 2x4x4 fp32
+    assert LAYOUT.offsets == {("ssm", 0): 0, ("k", 1): 0, ("v", 1): 128, ("ssm", 2): 128, ("k", 3): 256,
+                              ("v", 3): 384}
+    assert LAYOUT.stateful and LAYOUT.resume_pages(5, lambda n: n in (1, 3)) == 3
+    assert LAYOUT.resume_pages(5, lambda n: False) == 0
+
+
+def test_prefill_chunks_end_on_page_boundaries_and_each_boundary_publishes_a_snapshot():
+    b = batcher(budget=6)
+    a = seq(0, list(range(10, 24)))  # 14 tokens
+    b.add(a)
+    plan = b.plan(0.0)
+    assert plan.chunks == (SeqChunk(0, tuple(range(10, 14)), 0, (0, 1, 2, 3), False, (), False, 0, 0),)
+    assert drain_states(b) == ([], [0], [])  # it starts from its first token: its live slot 0 is zeroed
+    b.commit(plan, {}, {0: a})
+    assert drain_states(b) == ([(0, 1)], [], [])  # live slot 0 -> snapshot slot 1, after page 0
+    plan = b.plan(0.0)
+    assert plan.chunks[0].start_pos == 4 and len(plan.chunks[0].token_ids) == 4  # 6 would end mid-page
+    b.commit(plan, {}, {0: a})
+    assert drain_states(b) == ([(0, 2)], [], [])
+    plan = b.plan(0.0)
+    assert (plan.chunks[0].start_pos, len(plan.chunks[0].token_ids), plan.chunks[0].sample) == (8, 6, True)
+    b.commit(plan, {0: 50}, {0: a})
+    assert drain_states(b) == ([], [], [])  # 14 is no boundary: no snapshot
+    chain = b.pages.extend_chain([], a.token_ids)
+    assert [b.pages.snapshot(h) for h in chain] == [1, 2, None]
+
+
+def test_a_prefix_hit_resumes_only_at_a_published_snapshot():
+    b = batcher(budget=32)
+    a = seq(0, list(range(10, 20)), max_tokens=3)  # 10 tokens: one chunk; decode reaches 12
+    b.add(a)
+    for token in (50, 51, 52):
+        plan = b.plan(0.0)
+        b.commit(plan, {0: token}, {0: a})
+        b.step_done()
+    assert a.status is SeqStatus.FINISHED and a.num_computed == 12 and a.token_ids[10:] == [50, 51, 52]
+    assert drain_states(b) == ([(0, 1)], [0], [])  # zeroed at admission; a snapshot when 12 was reached
+    # the same 12 tokens and more: pages 0..2 are cached and a snapshot follows page 2: resume at 12
+    c = seq(1, a.token_ids[:12] + [60, 61, 62])
+    b.add(c)
+    plan = b.plan(0.0)
+    assert (c.num_computed, plan.chunks[0].start_pos, plan.chunks[0].token_ids) == (12, 12, (60, 61, 62))
+    assert drain_states(b) == ([(1, 0)], [], [])  # snapshot 1 loads into c's live slot 0
+    b.commit(plan, {1: 70}, {1: c})
+    b.step_done()
+    # only the first 8 tokens: pages 0 and 1 are cached, but no snapshot follows page 1: from scratch
+    d = seq(2, a.token_ids[:8] + [80, 81, 82])
+    b.add(d)
+    plan = b.plan(0.0)
+    assert (d.num_computed, plan.chunks[-1].start_pos, d.num_cached) == (0, 0, 0)
+    assert d.page_table[:2] != [0, 1] and drain_states(b)[1] == [d.state_slot]
+
+
+def test_release_saves_the_latest_snapshot_with_the_pages_and_a_host_return_restores_both():
+    reg = host()
+    b = batcher(reg=reg)
+    a = seq(0, list(range(10, 20)), max_tokens=3)
+    b.add(a)
+    for token in (50, 51, 52):
+        b.commit(b.plan(0.0), {0: token}, {0: a})
+        b.step_done()
+    snapshot = b.pages.snapshot(b.pages.extend_chain([], a.token_ids)[2])
+    (save,) = agree_saves(b, reg)
+    assert save.copies == ((0, 0), (1, 1), (2, 2)) and save.states == ((snapshot, 0),)
+    assert (reg.stats().published, reg.stats().states_used, reg.stats().in_flight) == (4, 1, 0)
+    # a switch away and back: a fresh device pool, the host holds pages 0..2 and the state after page 2
+    b.resume(pool())
+    drain_states(b)
+    c = seq(1, a.token_ids[:12] + [60, 61])
+    b.add(c)
+    plan = b.plan(0.0)
+    assert (c.num_computed, c.num_restored, plan.chunks[0].start_pos) == (12, 12, 12)
+    assert b.restores == [(0, 0), (1, 1), (2, 2)]  # (slab, page)
+    assert drain_states(b) == ([], [], [(0, 0)])  # state slab 0 -> c's live slot 0
+
+
+def test_a_state_is_never_published_above_the_agreed_page():
+    reg = host()
+    chain = [101, 102, 103]
+    ticket = reg.begin_save("m", chain, state_after=3)
+    assert ticket.entries[-1] == SaveEntry(2, 103, 0, Kind.STATE)
+    reg.finish_save(ticket, 2)  # one rank vouches for two pages only: the state after page 3 stays hidden
+    assert (reg.peek("m", chain), reg.state("m", 103), reg.resumable("m", chain)) == ([0, 1], None, 0)
+    ticket = reg.begin_save("m", chain[:2], state_after=2)
+    reg.finish_save(ticket, 2)
+    assert reg.state("m", 102) == 0 and reg.resumable("m", chain) == 2  # the dropped state's slab, again
+    # a state is reserved only with every page before it present: here the pages are in flight first
+    ticket = reg.begin_save("m", [201, 202], state_after=2)
+    assert ticket.entries == (SaveEntry(0, 201, 2), SaveEntry(1, 202, 3), SaveEntry(1, 202, 1, Kind.STATE))
+    reg.abort_save(ticket)
+    full = HostKVRegistry(1, 8, 1, 8, {"m": LAYOUT})  # room for one page: the state after two is useless
+    assert full.begin_save("m", [201, 202], state_after=2).entries == (SaveEntry(0, 201, 0),)
+    assert (reg.stats().states_used, full.stats().states_used) == (1, 0)
+
+
+def test_host_state_eviction_is_least_recently_used_and_spares_pinned_slabs():
+    reg = HostKVRegistry(16, 8, 2, 8, {"m": LAYOUT})
+    for h in (1, 2):
+        reg.finish_save(reg.begin_save("m", [h], state_after=1), 1)
+    reg.pin([reg.state("m", 1)], Kind.STATE)  # being restored
+    reg.finish_save(reg.begin_save("m", [3], state_after=1), 1)
+    assert (reg.state("m", 1), reg.state("m", 2), reg.state("m", 3)) == (0, None, 1)
+    assert reg.resumable("m", [2]) == 0 and reg.resumable("m", [3]) == 1
+
+
+def test_preemption_frees_the_live_slot_and_readmission_resumes_at_the_latest_snapshot():
+    reg = host()
+    b = batcher(pool(pages=4), reg, max_running=2)
+    a, c = seq(0, list(range(10, 17)), max_tokens=16), seq(1, list(range(30, 37)), max_tokens=16)
+    b.add(a)
+    b.add(c)
+    plan = b.plan(0.0)  # both prompts, 2 pages each: the pool is full
+    assert [ch.state_slot for ch in plan.chunks] == [0, 1]
+    b.commit(plan, {0: 50, 1: 60}, {0: a, 1: c})
+    b.step_done()
+    plan = b.plan(0.0)  # both reach 8 tokens: snapshots after page 1
+    b.commit(plan, {0: 51, 1: 61}, {0: a, 1: c})
+    b.step_done()
+    assert drain_states(b)[0] == [(0, 2), (1, 3)]
+    assert b.plan(0.0) is None  # a needs a third page: c, the newest, is preempted; its pages are
+    assert c.status is SeqStatus.WAITING and c.state_slot == -1  # pinned while saved with its snapshot
+    (save,) = agree_saves(b, reg)
+    assert (save.seq_id, save.copies, save.states) == (1, ((2, 0), (3, 1)), ((3, 0),))
+    plan = b.plan(0.0)  # a takes c's tail page (evicted: the least recently freed), c waits
+    assert [(ch.seq_id, ch.page_table) for ch in plan.chunks] == [(0, (0, 1, 3))]
+    b.commit(plan, {0: 52}, {0: a})
+    b.step_done()
+    b.remove(a)
+    assert agree_saves(b, reg)[0].states == ((2, 1),)  # a's snapshot after its page 1 goes to host too
+    # c comes back at 8: page 0 of its prefix from the device, page 1 from host slab 1, its state
+    # from the device snapshot (slot 3), which a host state would back up
+    plan = b.plan(0.0)
+    assert (c.num_computed, plan.chunks[0].start_pos, plan.chunks[0].token_ids) == (8, 8, (61,))
+    assert (c.page_table, b.restores, drain_states(b)) == ([2, 3, 1], [(1, 3)], ([(3, 0)], [], []))
+
+
+def test_a_follower_waits_for_a_leader_and_resumes_at_its_snapshot():
+    b = batcher(budget=8)
+    shared = list(range(10, 22))
+    a, f = seq(0, shared + [90, 91]), seq(1, shared + [95])
+    b.add(a)
+    b.add(f)
+    plan = b.plan(0.0)  # a's first 8 tokens; f's next uncached page is being computed: it waits
+    assert [c.seq_id for c in plan.chunks] == [0] and f.status is SeqStatus.WAITING
+    b.commit(plan, {}, {0: a, 1: f})
+    b.step_done()
+    plan = b.plan(0.0)  # a's tail computes page 2, which f shares: it still waits
+    assert [(c.seq_id, c.start_pos) for c in plan.chunks] == [(0, 8)]
+    b.commit(plan, {0: 50}, {0: a, 1: f})
+    b.step_done()
+    # pages 0..2 are cached, but 14 tokens end mid-page: the last snapshot follows page 1, f resumes at 8
+    plan = b.plan(0.0)
+    assert [(c.seq_id, c.start_pos) for c in plan.chunks] == [(0, 14), (1, 8)]
+    assert f.page_table[:2] == a.page_table[:2] and drain_states(b)[0][-1] == (1, f.state_slot)
+
+
+def test_memory_ops_carry_the_state_ops_and_a_switch_takes_pending_snapshots_before_its_saves():
+    from talaria.instance.memory_planner import MemoryPlanner
+    from talaria.memory.bump_layout import BumpLayout
+    from tests.instance.copy_events import CopyEventsStandIn
+
+    arena = BumpLayout(1 << 16, 256)
+    for m in ("m", "n"):
+        arena.register(m, 1024, LAYOUT, LAYOUT.state_slots(2))
+    plan = arena.plan("m")
+    assert (plan.num_state_slots, plan.states.start, plan.states.end) == (4, 1024, 1024 + 4 * LAYOUT.state_bytes)
+    assert plan.kv.start == plan.states.end  # pages, and so staging, start above the state slots
+    reg = host()
+    memory = MemoryPlanner(arena, {"m": 1024, "n": 1024}, PS, reg, None, False, CopyEventsStandIn(),
+                           {"m": LAYOUT, "n": LAYOUT})
+    b = batcher(reg=reg)
+    b.resume(memory.new_pool("m"))
+    assert b.pages.num_state_slots == 4
+    a = seq(0, list(range(10, 17)), max_tokens=8)
+    b.add(a)
+    step = b.plan(0.0)
+    assert memory.ops(b).state_zero == (0,)
+    b.commit(step, {0: 50}, {0: a})
+    b.step_done()
+    b.commit(b.plan(0.0), {0: 51}, {0: a})  # 8 tokens computed: a snapshot into slot 1, copied next step
+    b.suspend()  # a switch away: a is preempted and saved with that snapshot
+    switch = memory.switch_plan("n", b)
+    assert switch.ops.state_copies == ((0, 1),)  # taken before the save that reads it
+    assert switch.ops.saves[0].states == ((1, 0),) and switch.ops.saves[0].copies == ((0, 0), (1, 1))
+    assert memory.ops(b).state_copies == ()
