@@ -93,7 +93,7 @@ def engine(files: list[ModelFiles], **overrides) -> Driver:
 def arena_for_pages(files: ModelFiles, pages: int, **overrides) -> int:
     """arena_bytes that leaves exactly `pages` KV pages for this model (plus the null page)."""
     plan = engine([files], **overrides).executor.substrate.layout.plan(files.name)
-    size = plan.weights.end + (pages + 1) * plan.page_bytes + plan.runtime.size
+    size = plan.kv.start + (pages + 1) * plan.page_bytes + plan.runtime.size  # kv.start: past any state slots
     return -(-size // 256) * 256 + 256
 
 

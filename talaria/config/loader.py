@@ -153,6 +153,8 @@ def tp_misfits(tp: int, arch: ModelArch) -> list[str]:
         why.append(f"does not divide {{the}} expert width {arch.moe_intermediate_size} (moe_intermediate_size)")
     if arch.shared_expert_intermediate_size % tp:
         why.append(f"does not divide {{the}} shared expert width {arch.shared_expert_intermediate_size}")
+    if arch.linear_num_key_heads % tp:  # Gated DeltaNet: key heads, with their value heads, split by rank
+        why.append(f"does not divide {{the}} {arch.linear_num_key_heads} linear-attention key heads")
     return why
 
 

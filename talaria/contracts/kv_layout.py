@@ -140,13 +140,23 @@ def kv_layout(arch: ModelArch, tp: int, page_size: int, dtype: str) -> KVLayout:
     """The cache of `arch` on one of `tp` ranks, in pages of `page_size` tokens of `dtype`.
 
     GQA families (Llama, Mistral, Qwen2/3 and their MoE variants): per-token `k` and `v` of
-    (KV heads per rank, head_dim) on every layer."""
+    (KV heads per rank, head_dim) on every layer. Hybrid families (Qwen3-Next, Qwen3.5-MoE): `k` and
+    `v` on the full-attention layers only; on each Gated DeltaNet layer a per-sequence `conv` state
+    (the convolution's last kernel - 1 inputs of the rank's q, k and v channels, in `dtype`) and
+    `ssm` state (the recurrent matrix of each of the rank's value heads, in float32, as computed)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"cache dtype {dtype!r}: one of {', '.join(DTYPE_BYTES)}")
-    layers = tuple(range(arch.num_layers))
+    linear = tuple(i for i in range(arch.num_layers) if arch.is_linear_layer(i))
+    attention = tuple(i for i in range(arch.num_layers) if not arch.is_linear_layer(i))
     shape = (kv_heads_per_rank(arch, tp), arch.head_dim)
-    return KVLayout(page_size, (CacheTensor("k", layers, shape, dtype, True),
-                                CacheTensor("v", layers, shape, dtype, True)))
+    tensors = [CacheTensor("k", attention, shape, dtype, True), CacheTensor("v", attention, shape, dtype, True)]
+    if linear:
+        kh, vh = arch.linear_num_key_heads // tp, arch.linear_num_value_heads // tp
+        channels = 2 * kh * arch.linear_key_head_dim + vh * arch.linear_value_head_dim
+        tensors += [CacheTensor("conv", linear, (channels, arch.linear_conv_kernel_dim - 1), dtype, False),
+                    CacheTensor("ssm", linear, (vh, arch.linear_key_head_dim, arch.linear_value_head_dim),
+                                "float32", False)]
+    return KVLayout(page_size, tuple(tensors))
 
 
 def sized_layout(page_size: int, token_bytes: int, state_bytes: int = 0) -> KVLayout:

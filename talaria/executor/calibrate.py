@@ -196,11 +196,13 @@ def _model_profile(executor: Executor, name: str, probes: Probes, record: Switch
 
 
 def _chunk(executor: Executor, first_page: int, start: int, n: int, seq: int = 0) -> SeqChunk:
-    """Probe sequence `seq`: tokens [start, start + n) on consecutive pages from `first_page`."""
+    """Probe sequence `seq`: tokens [start, start + n) on consecutive pages from `first_page`, and
+    state slot `seq` when the model keeps per-sequence state (a probe times, whatever it holds)."""
     ps, vocab = executor.instance.page_size, executor.substrate.images[executor.substrate.active].files.arch.vocab_size
     pages = tuple(range(first_page, first_page + -(-(start + n) // ps)))
     tokens = tuple((7 * (start + i) + seq) % (vocab - 1) + 1 for i in range(n))
-    return SeqChunk(PROBE_ID - seq, tokens, start, pages, True)
+    slot = seq if executor.substrate.plan.num_state_slots else -1
+    return SeqChunk(PROBE_ID - seq, tokens, start, pages, True, state_slot=slot)
 
 
 def _time(executor: Executor, probes: Probes, chunks: list[SeqChunk], repeats: int | None = None) -> float:

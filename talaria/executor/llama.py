@@ -1,8 +1,13 @@
-"""The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen2-/Qwen3-MoE) on one TP shard.
+"""The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen2-/Qwen3-MoE, and the
+hybrid Qwen3-Next / Qwen3.5-MoE) on one TP shard.
 
-Reads top to bottom like nanoGPT: embed -> N x (attention, MLP) -> norm -> LM head. Tokens of all
-sequences in a step are flattened into one batch of T rows; only attention looks at sequences.
-A layer's MLP is dense, or routed experts (talaria/executor/moe.py) in an MoE layer.
+Reads top to bottom like nanoGPT: embed -> N x (token mixer, MLP) -> norm -> LM head. Tokens of all
+sequences in a step are flattened into one batch of T rows; only the token mixer looks at
+sequences. The mixer is attention, or in a hybrid model's linear layers Gated DeltaNet
+(talaria/executor/deltanet.py), which reads and writes each sequence's state slot. A hybrid model's
+attention is gated (o_proj(attention * sigmoid(gate))), rotates only part of each head, and its
+norms are zero-centred (weight 1 + w, in float32, as the reference computes them). A layer's MLP is
+dense, or routed experts (talaria/executor/moe.py) in an MoE layer.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
 from talaria.executor.attention import AttentionMeta, paged_attention
+from talaria.executor.deltanet import Segment, deltanet_mixer
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.moe import moe_mlp, use_grouped_mm
 from talaria.executor.parallel import Shard, TPGroup
@@ -21,13 +27,22 @@ from talaria.executor.rope import rope_cos_sin
 from talaria.executor.weights import ModelWeights
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm times `weight`, or with `offset` (a zero-centred norm) times offset + weight, in float32."""
+    if not offset:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.float())).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, hd); cos/sin: (T, 1, hd). HF layout: rotate the two halves of each head."""
-    half = x.shape[-1] // 2
+    """x: (T, heads, hd); cos/sin: (T, 1, rd). HF layout: rotate the two halves of each head's first
+    rd dims (all of them unless RoPE is partial); the rest pass through."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+    half = rd // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -59,39 +74,57 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                kv: KVCache) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, H)."""
+                kv: KVCache, segments: list[Segment] | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, H). `segments`: each sequence's rows
+        and state slot (talaria/executor/deltanet.py), for a model with DeltaNet layers."""
         arch, sh = self.arch, self.shard
-        hd, nh, nkv = arch.head_dim, sh.heads, sh.kv_heads
-        T = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
-        sin = self.sin[positions].unsqueeze(1)
+        eps, offset = arch.rms_norm_eps, arch.norm_offset
         x = self.embed(input_ids)  # (T, H)
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, rd)
+        sin = self.sin[positions].unsqueeze(1)
         for i, lw in enumerate(self.w.layers):
-            h = rms_norm(x, lw.input_norm, arch.rms_norm_eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (T, (nh + 2 nkv) hd)
-            q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
-            q = q.view(T, nh, hd)
-            k = k.view(T, nkv, hd)
-            v = v.view(T, nkv, hd)
-            if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, arch.rms_norm_eps)
-                k = rms_norm(k, lw.k_norm, arch.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            k_cache, v_cache = kv.layer(i)  # (pages, page_size, nkv, hd) each
-            k_cache.index_put_((meta.write_pages, meta.write_offsets), k)
-            v_cache.index_put_((meta.write_pages, meta.write_offsets), v)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
-            x = x + self.group.all_reduce(F.linear(o.reshape(T, nh * hd), lw.o_proj))
-            h = rms_norm(x, lw.post_norm, arch.rms_norm_eps)
+            h = rms_norm(x, lw.input_norm, eps, offset)
+            if lw.la_qkv is not None:
+                mixed = deltanet_mixer(h, lw, sh, segments, kv.view("conv", i), kv.view("ssm", i))
+            else:
+                mixed = self.attention(h, lw, i, cos, sin, meta, kv)
+            x = x + self.group.all_reduce(mixed)
+            h = rms_norm(x, lw.post_norm, eps, offset)
             if lw.router is not None:
                 mlp = moe_mlp(h, lw, arch, self.grouped)  # (T, H), partial over ranks
             else:
                 gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # (T, I_local) each
                 mlp = F.linear(F.silu(gate) * up, lw.down)  # (T, H), partial over ranks
             x = x + self.group.all_reduce(mlp)
-        return rms_norm(x, self.w.norm, arch.rms_norm_eps)
+        return rms_norm(x, self.w.norm, eps, offset)
+
+    def attention(self, h: torch.Tensor, lw, layer: int, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMeta,
+                  kv: KVCache) -> torch.Tensor:
+        """Layer `layer`'s paged attention of h (T, H), its K/V written to the pages -> (T, H), this
+        rank's partial sum (o_proj is row-parallel)."""
+        arch, sh = self.arch, self.shard
+        hd, nh, nkv = arch.head_dim, sh.heads, sh.kv_heads
+        T = h.shape[0]
+        gated = 2 if arch.attn_output_gate else 1
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # (T, (nh gated + 2 nkv) hd)
+        q, k, v = qkv.split((nh * hd * gated, nkv * hd, nkv * hd), dim=-1)
+        q = q.view(T, nh, hd * gated)  # each head's query, then its output gate
+        gate = q[..., hd:].reshape(T, nh * hd) if gated == 2 else None
+        q = q[..., :hd]
+        k = k.view(T, nkv, hd)
+        v = v.view(T, nkv, hd)
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, arch.rms_norm_eps, arch.norm_offset)
+            k = rms_norm(k, lw.k_norm, arch.rms_norm_eps, arch.norm_offset)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache, v_cache = kv.layer(layer)  # (pages, page_size, nkv, hd) each
+        k_cache.index_put_((meta.write_pages, meta.write_offsets), k)
+        v_cache.index_put_((meta.write_pages, meta.write_offsets), v)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(T, nh * hd)  # (T, nh hd)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o, lw.o_proj)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -47,6 +47,15 @@ class Shard:
         return first, first + 1
 
     @property
+    def linear_key_heads(self) -> int:
+        """Gated DeltaNet query/key heads per rank (their value heads, conv channels and state follow)."""
+        return self.arch.linear_num_key_heads // self.size
+
+    @property
+    def linear_value_heads(self) -> int:
+        return self.arch.linear_num_value_heads // self.size
+
+    @property
     def intermediate(self) -> int:
         """Dense MLP width per rank."""
         return self.arch.intermediate_size // self.size

@@ -10,8 +10,8 @@ from talaria.contracts.arch import ModelArch
 
 
 def inv_frequencies(arch: ModelArch) -> torch.Tensor:
-    """(hd/2,) float64 inverse frequencies after scaling."""
-    dim = arch.head_dim
+    """(rd/2,) float64 inverse frequencies after scaling, rd the rotated dims of a head."""
+    dim = arch.rotary_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = arch.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -34,8 +34,8 @@ def inv_frequencies(arch: ModelArch) -> torch.Tensor:
 
 
 def rope_cos_sin(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape (max_position, head_dim) in the model dtype."""
+    """cos, sin tables of shape (max_position, rotary_dim) in the model dtype."""
     pos = torch.arange(arch.max_position, dtype=torch.float64)
-    freqs = torch.outer(pos, inv_frequencies(arch))  # (max_pos, hd/2)
+    freqs = torch.outer(pos, inv_frequencies(arch))  # (max_pos, rd/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)

@@ -6,6 +6,7 @@ import torch
 
 from talaria.contracts.step_plan import StepPlan
 from talaria.executor.attention import AttentionMeta
+from talaria.executor.deltanet import segments
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.llama import LlamaModel
 
@@ -20,7 +21,8 @@ def run_step(model: LlamaModel, kv: KVCache, plan: StepPlan) -> torch.Tensor | N
             sample_rows.append(len(ids) - 1)
     dev = kv.pages.device
     meta = AttentionMeta.build(plan, kv.page_size, kv.null_page, dev)
-    hidden = model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, kv)
+    segs = segments(plan.chunks) if kv.states is not None else None  # the state slots of a hybrid model
+    hidden = model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, kv, segs)
     if not sample_rows:
         return None
     return model.logits(hidden[torch.tensor(sample_rows, device=dev)])

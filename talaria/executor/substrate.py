@@ -91,7 +91,7 @@ class ModelImage:
 def runtime_bytes(files: ModelFiles) -> int:
     """A model's share of the arena's runtime region: its RoPE cos and sin tables."""
     item = torch.tensor([], dtype=DTYPES[files.dtype]).element_size()
-    return 2 * align_up(files.arch.max_position * files.arch.head_dim * item)
+    return 2 * align_up(files.arch.max_position * files.arch.rotary_dim * item)
 
 
 class Substrate:
@@ -270,7 +270,7 @@ class Substrate:
         if cached is None or rebuilt:
             weights = rebind(image.weights, image.host, self.arena)
             arch, at = image.files.arch, self._rope_at[name]
-            rope = tuple(self.arena.view_at(at + i * image.rope_bytes, (arch.max_position, arch.head_dim), image.dtype)
+            rope = tuple(self.arena.view_at(at + i * image.rope_bytes, (arch.max_position, arch.rotary_dim), image.dtype)
                          for i in range(2))
             cached = (LlamaModel(arch, image.shard, weights, self.group, image.dtype, rope), bases)
             self._models[name] = cached

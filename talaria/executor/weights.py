@@ -2,7 +2,9 @@
 
 q/k/v are fused into one column-parallel matrix and gate/up into another, so a layer runs two
 matmuls where the checkpoint has five; shapes are per rank. An MoE layer's MLP holds its router
-and its experts instead (talaria/executor/moe.py). The rank reads only its slices, straight into
+and its experts instead (talaria/executor/moe.py). A hybrid model's Gated DeltaNet layer holds its
+linear-attention weights instead of q/k/v and o_proj (talaria/executor/deltanet.py); its attention
+layers' q rows carry each head's output gate after its query (the checkpoint's q_proj order). The rank reads only its slices, straight into
 the arena (talaria/executor/checkpoint.py).
 """
 
@@ -15,6 +17,7 @@ import torch
 
 from talaria.executor.arena import Arena, align_up
 from talaria.executor.checkpoint import Progress, ShardReader
+from talaria.executor.deltanet import deltanet_shapes, load_deltanet
 from talaria.executor.moe import load_moe, moe_shapes
 from talaria.executor.parallel import Shard
 
@@ -22,11 +25,11 @@ from talaria.executor.parallel import Shard
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # (H,)
-    qkv: torch.Tensor  # ((heads + 2 kv_heads) * hd, H)
+    qkv: torch.Tensor | None  # ((heads (x 2 with an output gate) + 2 kv_heads) * hd, H); None in a DeltaNet layer
     qkv_bias: torch.Tensor | None  # ((heads + 2 kv_heads) * hd,)
     q_norm: torch.Tensor | None  # (hd,)
     k_norm: torch.Tensor | None  # (hd,)
-    o_proj: torch.Tensor  # (H, heads * hd)
+    o_proj: torch.Tensor | None  # (H, heads * hd); None in a DeltaNet layer
     post_norm: torch.Tensor  # (H,)
     # a dense layer's MLP (None in an MoE layer)
     gate_up: torch.Tensor | None = None  # (2 * I_local, H)
@@ -38,6 +41,16 @@ class LayerWeights:
     shared_gate_up: torch.Tensor | None = None  # (2 * Is_local, H): Qwen2-MoE's shared expert
     shared_down: torch.Tensor | None = None  # (H, Is_local)
     shared_gate: torch.Tensor | None = None  # (1, H), replicated: sigmoid gate of the shared expert
+    # a Gated DeltaNet layer's token mixer (None elsewhere; deltanet.py), per rank: Hk key heads, Hv value heads
+    la_qkv: torch.Tensor | None = None  # (C, H), C = 2 Hk dk + Hv dv: q, k, v channels
+    la_z: torch.Tensor | None = None  # (Hv dv, H): the output gate
+    la_b: torch.Tensor | None = None  # (Hv, H): beta = sigmoid(b)
+    la_a: torch.Tensor | None = None  # (Hv, H): the decay's input
+    la_conv: torch.Tensor | None = None  # (C, 1, K): depthwise causal convolution
+    la_dt_bias: torch.Tensor | None = None  # (Hv,)
+    la_A_log: torch.Tensor | None = None  # (Hv,)
+    la_norm: torch.Tensor | None = None  # (dv,), replicated
+    la_out: torch.Tensor | None = None  # (H, Hv dv): row-parallel
 
 
 @dataclass(slots=True)
@@ -51,10 +64,13 @@ class ModelWeights:
 
 def _layer_shapes(shard: Shard, layer: int) -> list[tuple[int, ...]]:
     a, hd = shard.arch, shard.arch.head_dim
-    h, qkv = a.hidden_size, (shard.heads + 2 * shard.kv_heads) * hd
-    shapes = [(h,), (qkv, h), (h, shard.heads * hd), (h,)]
-    shapes += [(qkv,)] if a.attention_bias else []
-    shapes += [(hd,), (hd,)] if a.qk_norm else []
+    h, qkv = a.hidden_size, (shard.heads * (2 if a.attn_output_gate else 1) + 2 * shard.kv_heads) * hd
+    if a.is_linear_layer(layer):
+        shapes = [(h,), (h,), *deltanet_shapes(shard)]
+    else:
+        shapes = [(h,), (qkv, h), (h, shard.heads * hd), (h,)]
+        shapes += [(qkv,)] if a.attention_bias else []
+        shapes += [(hd,), (hd,)] if a.qk_norm else []
     if a.is_moe_layer(layer):
         return shapes + moe_shapes(shard)
     return shapes + [(2 * shard.intermediate, h), (h, shard.intermediate)]
@@ -133,21 +149,31 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
 
     h = arch.hidden_size
     q, kv = (h0 * hd, h1 * hd), (k0 * hd, k1 * hd)
+    gated = 2 if arch.attn_output_gate else 1  # q_proj rows: each head's query, then its output gate
+    # a vision-language checkpoint (Qwen3.5) keeps its text model under model.language_model.
+    model = "model.language_model." if "model.language_model.embed_tokens.weight" in ckpt else "model."
     layers = []
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{model}layers.{i}."
         a = p + "self_attn."
-        qkv = [(a + "q_proj.", *q), (a + "k_proj.", *kv), (a + "v_proj.", *kv)]
-        lw = LayerWeights(
-            input_norm=read(p + "input_layernorm.weight", shape=(h,), what=p + "input_layernorm"),
-            qkv=stacked([(n + "weight", x, y) for n, x, y in qkv], (h,), a + "qkv"),
-            qkv_bias=stacked([(n + "bias", x, y) for n, x, y in qkv], (), a + "qkv_bias")
-            if arch.attention_bias else None,
-            q_norm=read(a + "q_norm.weight", shape=(hd,), what=a + "q_norm") if arch.qk_norm else None,
-            k_norm=read(a + "k_norm.weight", shape=(hd,), what=a + "k_norm") if arch.qk_norm else None,
-            o_proj=read(a + "o_proj.weight", 1, *q, shape=(h, shard.heads * hd), what=a + "o_proj"),
-            post_norm=read(p + "post_attention_layernorm.weight", shape=(h,), what=p + "post_attention_layernorm"),
-        )
+        input_norm = read(p + "input_layernorm.weight", shape=(h,), what=p + "input_layernorm")
+        post = (p + "post_attention_layernorm.weight", p + "post_attention_layernorm")  # (name, what)
+        if arch.is_linear_layer(i):
+            post_norm = read(post[0], shape=(h,), what=post[1])
+            lw = LayerWeights(input_norm, None, None, None, None, None, post_norm,
+                              **load_deltanet(ckpt, p + "linear_attn.", shard, alloc))
+        else:
+            qkv = [(a + "q_proj.", q[0] * gated, q[1] * gated), (a + "k_proj.", *kv), (a + "v_proj.", *kv)]
+            lw = LayerWeights(
+                input_norm=input_norm,
+                qkv=stacked([(n + "weight", x, y) for n, x, y in qkv], (h,), a + "qkv"),
+                qkv_bias=stacked([(n + "bias", x, y) for n, x, y in qkv], (), a + "qkv_bias")
+                if arch.attention_bias else None,
+                q_norm=read(a + "q_norm.weight", shape=(hd,), what=a + "q_norm") if arch.qk_norm else None,
+                k_norm=read(a + "k_norm.weight", shape=(hd,), what=a + "k_norm") if arch.qk_norm else None,
+                o_proj=read(a + "o_proj.weight", 1, *q, shape=(h, shard.heads * hd), what=a + "o_proj"),
+                post_norm=read(post[0], shape=(h,), what=post[1]),
+            )
         if arch.is_moe_layer(i):
             for field, tensor in load_moe(ckpt, p + "mlp.", shard, alloc).items():
                 setattr(lw, field, tensor)
@@ -157,8 +183,8 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
                                  (h,), p + "gate_up")
             lw.down = read(p + "mlp.down_proj.weight", 1, i0, i1, shape=(h, shard.intermediate), what=p + "down_proj")
         layers.append(lw)
-    embed = vocab_rows("model.embed_tokens.weight")
+    embed = vocab_rows(model + "embed_tokens.weight")
     tied = arch.tie_word_embeddings or "lm_head.weight" not in ckpt
-    norm = read("model.norm.weight", shape=(h,), what="model.norm")
+    norm = read(model + "norm.weight", shape=(h,), what=model + "norm")
     lm_head = embed if tied else vocab_rows("lm_head.weight")
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head, bytes_read=ckpt.run(progress))

@@ -62,15 +62,21 @@ def params_per_rank(arch: ModelArch, tp: int) -> int:
     """
     h = arch.hidden_size
     q, kv = math.ceil(arch.q_size / tp), arch.head_dim * math.ceil(arch.num_kv_heads / tp)
-    attn = h * (q + 2 * kv) + q * h
-    attn += (q + 2 * kv if arch.attention_bias else 0) + (2 * arch.head_dim if arch.qk_norm else 0)
+    gated = 2 if arch.attn_output_gate else 1
+    attn = h * (q * gated + 2 * kv) + q * h
+    attn += (q * gated + 2 * kv if arch.attention_bias else 0) + (2 * arch.head_dim if arch.qk_norm else 0)
+    # a Gated DeltaNet layer: its projections, convolution and per-head parameters split by key head
+    kd, vd = math.ceil(arch.linear_key_dim / tp), math.ceil(arch.linear_value_dim / tp)
+    vh, conv = math.ceil(arch.linear_num_value_heads / tp), 2 * kd + vd
+    linear = h * (conv + vd + 2 * vh) + conv * arch.linear_conv_kernel_dim + 2 * vh + arch.linear_value_head_dim + vd * h
+    mixers = sum(linear if arch.is_linear_layer(i) else attn for i in range(arch.num_layers))
     dense = 3 * h * math.ceil(arch.intermediate_size / tp)
     moe = arch.num_experts * (h + 3 * h * math.ceil(arch.moe_intermediate_size / tp))
     if arch.shared_expert_intermediate_size:
         moe += 3 * h * math.ceil(arch.shared_expert_intermediate_size / tp) + h
     mlps = sum(moe if arch.is_moe_layer(i) else dense for i in range(arch.num_layers))
     emb = math.ceil(arch.vocab_size / tp) * h
-    return arch.num_layers * (attn + 2 * h) + mlps + emb * (1 if arch.tie_word_embeddings else 2) + h
+    return mixers + arch.num_layers * 2 * h + mlps + emb * (1 if arch.tie_word_embeddings else 2) + h
 
 
 def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:

@@ -1,0 +1,226 @@
+"""Equality rule for hybrid models (float64): tiny random Qwen3-Next and Qwen3.5-MoE models built with
+transformers' own config classes (Gated DeltaNet layers between gated attention layers, MoE with a
+gated shared expert) and saved with `save_pretrained` give Talaria the same greedy tokens as
+transformers' float64 `generate` (its pure-torch delta rule, which computes in float32 as the engine
+does), at TP 1 and 2: batched prompts longer than a delta-rule chunk, prompts prefilled in page-sized
+chunks, preemption, forced switches and host restores, and prefix hits that resume from a state
+snapshot. Every resumed call asserts where it resumed: a DeltaNet state exists only where a
+snapshot was published, so the position is the last page boundary its previous call reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+
+from talaria.config.schema import ModelConfig, Pool
+from talaria.contracts.call import InstanceCall
+from talaria.contracts.kv_layout import kv_layout
+from talaria.contracts.profile import (
+    Bandwidth,
+    DecodeCurve,
+    ModelProfile,
+    PrefillCurve,
+    Profile,
+    SwitchCost,
+)
+from talaria.contracts.profile_file import save_profile
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.models.source import ModelFiles, prepare_model
+from talaria.models.synthetic import byte_tokenizer
+from talaria.node.engine_group import EngineGroup
+from tests.executor.test_moe_equivalence import Reference, hf_greedy
+from tests.tiny_models import GREEDY, arena_for_pages, engine, instance, run, tokens
+
+PS = 4
+TINY = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "max_position_embeddings": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8}  # tp 2 splits every head kind
+HYBRID = {"next": "qwen3_next", "q35": "qwen3_5_moe"}  # name -> family
+SUBSTRATE = {"pool": Pool.COLD, "page_size": PS, "debug_poison": True, "staging_chunk_bytes": 4096,
+             "host_kv_bytes": 8 << 20, "ttft_s": 3600.0, "arena_bytes": 16 << 20}
+
+
+def build(family: str, seed: int = 7, **overrides):
+    """A transformers hybrid model in float64 with the eager experts, weights drawn so that greedy
+    tokens are well separated (decays and step sizes of both signs around their typical values)."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
+        Qwen3_5MoeTextConfig,
+    )
+
+    config_class = {"qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}[family]
+    model = AutoModelForCausalLM.from_config(config_class(**TINY | overrides), dtype=torch.float64,
+                                             experts_implementation="eager")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:  # zero-centred norms: 1 + w
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            else:  # projections, convolution, router, experts: 1 / sqrt(fan_in)
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def save(model, directory) -> None:
+    model.save_pretrained(directory)
+    tok, tok_config = byte_tokenizer(TINY["vocab_size"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory) -> dict[str, Reference]:
+    root = tmp_path_factory.mktemp("hybrid")
+    out = {}
+    for name, family in HYBRID.items():
+        hf = build(family)
+        save(hf, root / name)
+        out[name] = Reference(prepare_model(ModelConfig(name=name, source=str(root / name), dtype="float64"), None),
+                              hf_greedy(hf))
+    return out
+
+
+@pytest.fixture(scope="module")
+def profile_for(tmp_path_factory):
+    """A hand-written cost profile: no start-up calibration (costs hardly matter here)."""
+    def write(files: list[ModelFiles], tp: int) -> str:
+        models = {}
+        for f in files:
+            layout = kv_layout(f.arch, tp, PS, f.dtype)
+            models[f.name] = ModelProfile(f.name, 1 << 20, layout.token_bytes, PrefillCurve(1e-3, 1e-5),
+                                          DecodeCurve(1e-3, 1e-4),
+                                          {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0, 1e-2, 0, 0, 0))},
+                                          state_bytes=layout.state_bytes)
+        profile = Profile("cpu: test", "cpu", tp, SUBSTRATE["arena_bytes"], "2026-01-01T00:00:00+00:00",
+                          "hand-written for tests", Bandwidth(1e9, 1e9, 1e10), models)
+        path = tmp_path_factory.mktemp("profile") / f"tp{tp}.toml"
+        save_profile(profile, path)
+        return str(path)
+    return write
+
+
+rng = random.Random(3)
+PROMPTS = {name: [rng.randrange(256) for _ in range(n)] for name, n in (("next", 29), ("q35", 23))}
+LONG = [rng.randrange(256) for _ in range(150)]  # over two chunks of the chunked delta rule
+TAIL = [4, 5]
+
+
+def snapshot_at(prompt: list[int]) -> int:
+    """Where a call returning after `prompt` and its answer resumes: the last page boundary its
+    computed tokens reached (a snapshot is published at every one; the last sampled token has none)."""
+    return (len(prompt) + GREEDY.max_tokens - 1) // PS * PS
+
+
+def test_the_layout_keeps_attention_pages_and_deltanet_states(refs):
+    arch = refs["next"].files.arch
+    layout = kv_layout(arch, 2, PS, "float64")
+    assert (layout.tensor("k").layers, layout.tensor("conv").layers) == ((3,), (0, 1, 2))
+    # per rank: 1 KV head of 16 dims; conv channels 2 * 1 key head * 8 + 2 value heads * 8, 3 past inputs
+    assert layout.page_bytes == 2 * PS * 16 * 8 and layout.tensor("conv").shape == (32, 3)
+    assert layout.tensor("ssm").shape == (2, 8, 8) and layout.tensor("ssm").dtype == "float32"
+    assert layout.state_bytes == 3 * (32 * 3 * 8 + 2 * 8 * 8 * 4)
+
+
+def test_the_cases_are_discriminating(refs):
+    """A zero-centred norm read as a plain one, or the output gate dropped, changes the tokens: the
+    equality below would catch either (the weights are not degenerate)."""
+    for name, family in HYBRID.items():
+        plain = build(family)
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                if n.endswith("input_layernorm.weight"):
+                    p.add_(1.0)  # what a norm without the 1 + w would compute on the reference's weights
+        assert Reference(refs[name].files, hf_greedy(plain)).greedy(PROMPTS[name]) != refs[name].greedy(PROMPTS[name])
+
+
+def test_tp1_batched_and_chunked_prompts_equal_transformers(refs, profile_for):
+    for name, ref in refs.items():
+        profile = profile_for([ref.files], 1)
+        prompts = [PROMPTS[name], LONG, [17], LONG[:70]]
+        for budget in (512, 12):  # everything in one step; page-sized chunks (states carried between them)
+            core = engine([ref.files], page_size=PS, host_kv_bytes=1 << 20, profile=profile, max_batch_tokens=budget)
+            outs = run(core, [InstanceCall(str(i), name, tuple(p), GREEDY) for i, p in enumerate(prompts)])
+            for i, p in enumerate(prompts):
+                assert tokens(outs[str(i)]) == ref.greedy(p), f"{name} prompt {i} budget {budget}"
+
+
+def test_tp1_a_prefix_hit_resumes_at_the_snapshot_and_preemption_recomputes(refs, profile_for):
+    for name, ref in refs.items():
+        core = engine([ref.files], page_size=PS, host_kv_bytes=0, profile=profile_for([ref.files], 1))
+        first = run(core, [InstanceCall("1", name, tuple(PROMPTS[name]), GREEDY)])["1"]
+        cont = PROMPTS[name] + tokens(first) + TAIL
+        out = run(core, [InstanceCall("2", name, tuple(cont), GREEDY)])["2"]
+        assert out[-1].usage.cached_tokens == snapshot_at(PROMPTS[name]), f"{name}: resumed elsewhere"
+        assert tokens(first) == ref.greedy(PROMPTS[name]) and tokens(out) == ref.greedy(cont), name
+        # a pool of 40 pages for three calls of 60 tokens: sequences are preempted and recomputed
+        options = {"page_size": PS, "host_kv_bytes": 0, "profile": profile_for([ref.files], 1)}
+        small = engine([ref.files], arena_bytes=arena_for_pages(ref.files, 40, **options), **options)
+        prompts = [LONG[i:i + 50] for i in (0, 40, 90)]
+        outs = run(small, [InstanceCall(str(i), name, tuple(p), GREEDY) for i, p in enumerate(prompts)])
+        assert small.scheduler.batchers[name].preemptions > 0, f"{name}: nothing was preempted"
+        for i, p in enumerate(prompts):
+            assert tokens(outs[str(i)]) == ref.greedy(p), f"{name} preempted prompt {i}"
+
+
+def test_tp1_switches_and_host_restores_keep_tokens(refs, profile_for):
+    files = [r.files for r in refs.values()]
+    core = engine(files, profile=profile_for(files, 1), **SUBSTRATE)
+    answers = {}
+    for f in files:
+        core.scheduler.force_switch(f.name)
+        answers[f.name] = tokens(run(core, [InstanceCall(f"{f.name}-1", f.name, tuple(PROMPTS[f.name]), GREEDY)])
+                                 [f"{f.name}-1"])
+        assert answers[f.name] == refs[f.name].greedy(PROMPTS[f.name]), f.name
+    for f in files:  # each session returns after the other model had the arena: pages and state from host
+        cont = PROMPTS[f.name] + answers[f.name] + TAIL
+        core.scheduler.force_switch(f.name)
+        out = run(core, [InstanceCall(f"{f.name}-2", f.name, tuple(cont), GREEDY)])[f"{f.name}-2"]
+        assert out[-1].usage.restored_tokens == snapshot_at(PROMPTS[f.name]), f"{f.name}: not restored from host"
+        assert tokens(out) == refs[f.name].greedy(cont), f.name
+
+
+def test_tp2_group_switches_and_restores_equal_transformers(refs, profile_for):
+    """Two workers over gloo: DeltaNet heads, their conv channels and state split by rank; both
+    models time-share the group, the second turn restored from host."""
+    files = [r.files for r in refs.values()]
+
+    async def scenario():
+        group = EngineGroup(instance(files, tp=2, profile=profile_for(files, 2), **SUBSTRATE), files, threads=1)
+        await group.start()
+        try:
+            async def call(f, rid, prompt):
+                outs = [o async for o in group.generate(InstanceCall(rid, f.name, tuple(prompt), GREEDY))]
+                return prompt, [t for o in outs for t in o.token_ids], outs[-1].usage
+            results = {}
+            for f in files:
+                await group.switch(f.name, 60)
+                results[f.name, 1], results[f.name, 0] = await asyncio.gather(
+                    call(f, f"{f.name}-1", PROMPTS[f.name]), call(f, f"{f.name}-x", LONG[:70]))
+            for f in files:
+                await group.switch(f.name, 60)
+                results[f.name, 2] = await call(f, f"{f.name}-2", PROMPTS[f.name] + results[f.name, 1][1] + TAIL)
+            return results
+        finally:
+            await group.stop()
+
+    for (name, turn), (prompt, toks, usage) in asyncio.run(scenario()).items():
+        assert toks == refs[name].greedy(prompt), f"{name} turn {turn} tp=2"
+        if turn == 2:
+            assert usage.restored_tokens == snapshot_at(PROMPTS[name]), f"{name}: not restored from host"
