@@ -139,18 +139,24 @@ class Substrate:
             self._staging = None
         if self.poison and ops.poison:  # 0xFF bytes are NaN in every float dtype
             self.kv.pages.index_fill_(0, torch.tensor(ops.poison, device=self.arena.device), 0xFF)
-        states = self.kv.states
-        for src, dst in ops.state_copies:  # in order: a snapshot is taken before its slot is reused
-            states[dst].copy_(states[src])
-        if ops.state_zero:
-            states.index_fill_(0, torch.tensor(ops.state_zero, device=self.arena.device), 0)
-        if ops.state_restores:
-            self._restore(states, self.state_slabs, ops.state_restores)
+        if ops.state_copies or ops.state_zero or ops.state_restores:
+            self._move_states(ops)
         if ops.restores:
             self._restore(self.kv.pages, self.slabs, ops.restores)
         for save in ops.saves:
             written = self._compute_done()
             self._saves[save.ticket] = self.copier.submit(self._copy_out, self.kv, save, written)
+
+    def _move_states(self, ops: MemoryOps) -> None:
+        """Copies in list order (a snapshot is taken before its slot is reused), then zeroing, then
+        host state restores."""
+        states = self.kv.states
+        for src, dst in ops.state_copies:
+            states[dst].copy_(states[src])
+        if ops.state_zero:
+            states.index_fill_(0, torch.tensor(ops.state_zero, device=self.arena.device), 0)
+        if ops.state_restores:
+            self._restore(states, self.state_slabs, ops.state_restores)
 
     def _restore(self, rows: torch.Tensor, slabs: torch.Tensor, restores: tuple[tuple[int, int], ...]) -> None:
         """slab -> row (a page, or a state slot). CPU: one gather per run of consecutive rows,

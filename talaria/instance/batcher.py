@@ -13,9 +13,11 @@ and 64-token tails, arriving together with max_batch_tokens 1024, reached their 
 1.94 s against 2.99 s with the rule patched out (medians of 3 alternations, 2 threads). Hot
 instances plan here; a cold instance's P phase (round_scheduler.py) does not follow yet.
 A model whose cache keeps a per-sequence state resumes only where a state snapshot was published
-(the layout's resume rule, `_resume`): its prompt chunks end on page boundaries, a snapshot of its
-live state is published at every page boundary it reaches, and a release saves the latest one to
-host with its pages.
+(the layout's resume rule, `_resume`): its prompt chunks end on page boundaries, the last one before
+the prompt's newest token included (what a retried or branching call resumes from), a snapshot of
+its live state is published at each chunk end and decode step that lands on a page boundary (while
+a state slot is free), and a release saves the latest one to host with its pages. Such prompts do
+not wait for a leader: a follower could resume only at the leader's chunk ends.
 When the KV pool cannot grow a decoding sequence, the newest running sequence is preempted: its
 pages are released (their published prefix stays cached) and it is recomputed later from its
 prompt plus the tokens it had generated, which greedy decoding reproduces exactly.
@@ -123,10 +125,10 @@ class Batcher:
         computing now (agents started together with the same system prompt), the fresh pages `seq`
         will need once those are cached: admitted then, it reads them from the prefix cache instead
         of computing them again beside its leader. None when it follows no one."""
-        if not computing:
+        if not computing or self.pages.stateful:
             return None
         usable = self._usable(seq)
-        cached = len(self.pages.resume_prefix(usable))
+        cached = len(self.pages.match_prefix(usable))
         if cached == len(usable) or usable[cached] not in computing:
             return None
         shared = cached
@@ -174,12 +176,13 @@ class Batcher:
 
     def chunk_tokens(self, seq: Sequence, start: int, n: int) -> int:
         """How many of the `n` tokens of `seq` from `start` one prompt chunk computes: all of them, or
-        with a stateful cache, those up to the last page boundary among them (a state snapshot is
-        taken there), unless they end the prompt or hold no boundary."""
-        end = start + n
-        if self.pages.stateful and end < len(seq.token_ids) and end // self.pages.page_size * self.pages.page_size > start:
-            return end // self.pages.page_size * self.pages.page_size - start
-        return n
+        with a stateful cache, those up to the last page boundary among them that lies before the
+        sequence's newest token (a state snapshot is taken there), unless they hold none."""
+        if not self.pages.stateful:
+            return n
+        ps = self.pages.page_size
+        boundary = min(start + n, len(seq.token_ids) - 1) // ps * ps
+        return boundary - start if boundary > start else n
 
     def reusable(self, seq: Sequence) -> tuple[int, int, int]:
         """(device pages, host pages, host states) of `seq`'s prompt prefix this instance holds and it
@@ -230,7 +233,7 @@ class Batcher:
         if len(self.running) + held_seqs >= self.max_running:
             return False
         usable = self._usable(seq)
-        _, resume = self._resume(usable)
+        resume = self._resume(usable)[1] if self.pages.stateful else len(usable)  # stateless: any cached page
         cached = self.pages.match_prefix(usable)[:resume]
         newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
         need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
@@ -292,10 +295,13 @@ class Batcher:
             seq.state_slot = -1
 
     def saved(self, ticket: int) -> None:
-        """A host save's copies are agreed: its device pages and snapshots may be reused."""
-        self.pages.unpin(self.pinned_pages.pop(ticket))
-        for slot in self.pinned_states.pop(ticket, ()):
-            self.pages.unpin_state(slot)
+        """A host save's copies are agreed: its device pages and snapshots may be reused (when the
+        pool they were pinned in is still this batcher's)."""
+        pages, slots = self.pinned_pages.pop(ticket), self.pinned_states.pop(ticket, ())
+        if self.pages is not None:
+            self.pages.unpin(pages)
+            for slot in slots:
+                self.pages.unpin_state(slot)
 
     def step_done(self) -> None:
         """The step that carried this batcher's restores ran: the host slabs and the snapshots it
@@ -334,7 +340,7 @@ class Batcher:
                 for i in range(chunk.start_pos // ps, min(seq.num_computed // ps, len(chain))):
                     self.pages.publish(seq.page_table[i], chain[i])
                 if self.pages.stateful and seq.num_computed % ps == 0:  # its live state is at a boundary
-                    self.states.snapshot(self.pages, seq, chain[seq.num_computed // ps - 1])
+                    self.states.publish(self.pages, seq, chain[seq.num_computed // ps - 1])
             if chunk.sample:
                 token = sampled[seq.seq_id]
                 seq.token_ids.append(token)

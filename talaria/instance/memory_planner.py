@@ -51,10 +51,10 @@ def full_h2d(weight_bytes: int) -> GatherPlan:
 class MemoryPlanner:
     def __init__(self, layout: BumpLayout, weight_bytes: dict[str, int], page_size: int,
                  host: HostKVRegistry | None, stager: Stager | None, poison: bool, copies: CopyEvents,
-                 layouts: dict[str, KVLayout] | None = None) -> None:
-        """`layouts`: each model's cache layout (models left out keep per-token KV only)."""
+                 layouts: dict[str, KVLayout]) -> None:
+        """`layouts`: each model's cache layout (its pool's state slots and resume rule)."""
         self.layout = layout
-        self.layouts = layouts or {}
+        self.layouts = layouts
         self.weight_bytes = weight_bytes
         self.page_size = page_size
         self.host = host
@@ -89,7 +89,7 @@ class MemoryPlanner:
         plan = self.layout.plan(model)
         blocked = self.stager.blocked_pages if self.stager is not None else None
         self._pool = PageManager(plan.num_pages, self.page_size, blocked, self._allocated,
-                                 self.layouts.get(model), plan.num_state_slots)
+                                 self.layouts[model], plan.num_state_slots)
         return self._pool
 
     def _allocated(self, pages: list[int]) -> None:
@@ -151,8 +151,7 @@ class MemoryPlanner:
                     agreed = e.page_index
                     break
             self.host.finish_save(ticket_obj, agreed)
-            if batcher.pages is not None:
-                batcher.saved(ticket)
+            batcher.saved(ticket)
             pages = [e for e in ticket_obj.entries if e.kind is Kind.PAGE]
             record = {"model": ticket_obj.model, "seq_id": seq_id, "pages_saved": len(pages),
                       "pages_published": sum(1 for e in pages if e.page_index < agreed)}
@@ -166,7 +165,7 @@ class MemoryPlanner:
         """Open `to_model`: the outgoing model's saves start and every pending save is agreed first.
         Snapshots its last step published are taken before them (a save may read one)."""
         saves = self._take_saves(outgoing) if outgoing is not None else ()
-        snapshots = outgoing.states.drain()[0] if outgoing is not None else ()  # only copies can be pending
+        snapshots = outgoing.states.drain_for_switch() if outgoing is not None else ()
         agree = tuple((t, save.seq_id) for t, (save, _) in self._pending.items())
         if self._writing is not None:  # the chunk in flight finishes first and counts as staged
             self.copies.wait_staging()

@@ -25,6 +25,10 @@ def snapshot_at(pages: PageManager, host: HostKVRegistry | None, model: str, h: 
     return (False, slab) if slab is not None else None
 
 
+class StateOpsError(RuntimeError):
+    """The state moves were asked for something their bookkeeping says cannot be (a bug, not input)."""
+
+
 class StateOps:
     def __init__(self, model: str, host: HostKVRegistry | None) -> None:
         self.model = model
@@ -40,6 +44,9 @@ class StateOps:
         hashed `resume_hash`), or zeroed when it starts from its first token; False (nothing
         changed) when every slot is live or being copied."""
         where = snapshot_at(pages, self.host, self.model, resume_hash) if resume_hash is not None else None
+        if resume_hash is not None and where is None:
+            raise StateOpsError(f"model {self.model!r}: a sequence resumes after page {resume_hash:#x}, "
+                                "which has no state snapshot")
         on_device = where is not None and where[0]
         if on_device:
             pages.pin_state(where[1])  # first: taking a slot must not evict the snapshot it loads
@@ -59,7 +66,7 @@ class StateOps:
             self._host_pins.append(where[1])
         return True
 
-    def snapshot(self, pages: PageManager, seq: Sequence, h: int) -> None:
+    def publish(self, pages: PageManager, seq: Sequence, h: int) -> None:
         """`seq`'s live state is at the end of the page hashed `h`: publish a snapshot of it (the
         copy rides the next step, before anything else can use either slot)."""
         slot = pages.publish_snapshot(h)
@@ -71,6 +78,15 @@ class StateOps:
         out = (tuple(self.copies), tuple(self.zero), tuple(self.restores))
         self.copies, self.zero, self.restores = [], [], []
         return out
+
+    def drain_for_switch(self) -> tuple[tuple[int, int], ...]:
+        """The snapshot copies a switch away must run before its saves. No admission can be pending
+        then (each step drains its own), and the pins of one would outlive the pool they are in."""
+        copies, zero, restores = self.drain()
+        if zero or restores or self._host_pins or self._device_pins:
+            raise StateOpsError(f"model {self.model!r}: a switch away with admissions pending "
+                                f"(zero {zero}, restores {restores})")
+        return copies
 
     def step_done(self, pages: PageManager) -> None:
         """The step that carried the moves ran: the host slabs and snapshots they read may move again."""

@@ -119,7 +119,7 @@ class RegistryStats:
     """A snapshot of the registry's occupancy and counters."""
 
     num_slabs: int
-    used: int  # slabs holding an entry, published or in flight
+    used: int  # page slabs holding an entry, published or in flight
     pinned: int  # slabs with at least one DMA pin (save or restore in flight)
     published: int  # matchable entries
     in_flight: int  # entries reserved by a save that has not finished
@@ -127,7 +127,7 @@ class RegistryStats:
     saves: int  # pages published by finish_save
     evictions: int  # published entries dropped to make room
     num_state_slabs: int = 0  # the state pool's slabs (0: no model keeps state)
-    states_used: int = 0  # state slabs holding an entry (counted in `used` too)
+    states_used: int = 0  # state slabs holding an entry, published or in flight
 
 
 def agreed_pages(reports: Sequence[RankReport], page_size: int) -> int:
@@ -232,9 +232,9 @@ class HostKVRegistry:
         return self._tickets[ticket_id]
 
     def stats(self) -> RegistryStats:
-        states = self._pools[Kind.STATE]
+        pages, states = self._pools[Kind.PAGE], self._pools[Kind.STATE]
         return RegistryStats(
-            num_slabs=self.num_slabs, used=len(self._slab_of), pinned=self._num_pinned,
+            num_slabs=self.num_slabs, used=pages.num - len(pages.free), pinned=self._num_pinned,
             published=self._num_published, in_flight=self._num_in_flight,
             hits=self._hits, saves=self._saves, evictions=self._evictions,
             num_state_slabs=states.num, states_used=states.num - len(states.free))

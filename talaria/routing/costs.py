@@ -81,7 +81,9 @@ class Terms:
     def resumable(self, reusable: int, kept: int) -> int:
         """Tokens of a kept prefix of `kept` tokens that a call reusing up to `reusable` of them resumes
         from: all `reusable` without per-sequence state; with it, the pages up to the snapshot taken at
-        the prefix's last full page (none when the call reuses less than that)."""
+        the prefix's last full page (none when the call reuses less than that). An upper bound: the
+        instance published that snapshot only if a step ended there (a decode step, or the end of a
+        prompt chunk), and its slot may have been taken since."""
         layout = self.layout
         if not layout.stateful:
             return reusable

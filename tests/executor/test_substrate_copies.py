@@ -91,9 +91,10 @@ def test_state_ops_move_state_slots_in_order_and_saves_carry_snapshots(model_cac
     states.copy_(torch.randint(0, 256, states.shape, dtype=torch.uint8))
     sub.state_slabs.copy_(torch.randint(0, 256, sub.state_slabs.shape, dtype=torch.uint8))
     before, slab = states.clone(), sub.state_slabs[1].clone()
-    sub.before_step(MemoryOps(state_copies=((0, 3), (3, 1)), state_zero=(2,), state_restores=((1, 0),)))
+    sub.before_step(MemoryOps(state_copies=((0, 3), (3, 1), (2, 4)), state_zero=(2,), state_restores=((1, 0),)))
     assert torch.equal(states[3], before[0]) and torch.equal(states[1], before[0])  # in list order
-    assert not states[2].any() and torch.equal(states[0], slab)
+    assert torch.equal(states[4], before[2]) and not states[2].any()  # copies before zeroing
+    assert torch.equal(states[0], slab)  # the host restore last (slot 0 was a copy's source)
     sub.before_step(MemoryOps(saves=(SaveOp(7, 0, ((0, 0),), ((1, 2),)),)))
     sub.wait_save(7)
     assert torch.equal(sub.state_slabs[2], states[1]) and torch.equal(sub.slabs[0], sub.kv.pages[0])

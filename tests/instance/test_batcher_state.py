@@ -42,6 +42,23 @@ def seq(seq_id: int, prompt: list[int], max_tokens: int = 16) -> Sequence:
     return Sequence(seq_id, call, list(prompt), 0.0)
 
 
+def step(b: Batcher, seqs: list[Sequence], sampled: dict[int, int] | None = None) -> tuple:
+    """Plan one step, take its state ops (as the memory planner does), commit it with `sampled` (or
+    token 50 + seq_id for every chunk that samples) and finish it; returns (chunks, state ops)."""
+    plan = b.plan(0.0)
+    ops = drain_states(b)
+    by_id = {q.seq_id: q for q in seqs}
+    tokens = sampled if sampled is not None else {c.seq_id: 50 + c.seq_id for c in plan.chunks if c.sample}
+    b.commit(plan, tokens, by_id)
+    b.step_done()
+    return plan.chunks, ops
+
+
+def spans(chunks) -> list[tuple[int, int, int]]:
+    """(seq_id, start, tokens) of each chunk."""
+    return [(c.seq_id, c.start_pos, len(c.token_ids)) for c in chunks]
+
+
 def drain_states(b: Batcher) -> tuple[list, list, list]:
     """The state ops decided since the last drain, as the memory planner takes them."""
     return tuple(list(part) for part in b.states.drain())
@@ -66,51 +83,49 @@ def test_the_layout_places_tokens_in_pages_and_states_in_slots():
     assert LAYOUT.resume_pages(5, lambda n: False) == 0
 
 
-def test_prefill_chunks_end_on_page_boundaries_and_each_boundary_publishes_a_snapshot():
+def test_prompt_chunks_end_on_page_boundaries_before_the_newest_token_and_each_publishes_a_snapshot():
     b = batcher(budget=6)
-    a = seq(0, list(range(10, 24)))  # 14 tokens
+    a = seq(0, list(range(10, 24)))  # 14 tokens, 6 a step
     b.add(a)
-    plan = b.plan(0.0)
-    assert plan.chunks == (SeqChunk(0, tuple(range(10, 14)), 0, (0, 1, 2, 3), False, (), False, 0, 0),)
-    assert drain_states(b) == ([], [0], [])  # it starts from its first token: its live slot 0 is zeroed
-    b.commit(plan, {}, {0: a})
-    assert drain_states(b) == ([(0, 1)], [], [])  # live slot 0 -> snapshot slot 1, after page 0
-    plan = b.plan(0.0)
-    assert plan.chunks[0].start_pos == 4 and len(plan.chunks[0].token_ids) == 4  # 6 would end mid-page
-    b.commit(plan, {}, {0: a})
-    assert drain_states(b) == ([(0, 2)], [], [])
-    plan = b.plan(0.0)
-    assert (plan.chunks[0].start_pos, len(plan.chunks[0].token_ids), plan.chunks[0].sample) == (8, 6, True)
-    b.commit(plan, {0: 50}, {0: a})
-    assert drain_states(b) == ([], [], [])  # 14 is no boundary: no snapshot
+    chunks, ops = step(b, [a])
+    assert chunks == (SeqChunk(0, tuple(range(10, 14)), 0, (0, 1, 2, 3), False, (), False, 0, 0),)
+    assert ops == ([], [0], [])  # it starts from its first token: its live slot 0 is zeroed
+    chunks, ops = step(b, [a])  # 6 tokens would end mid-page: 4; the snapshot after page 0 is copied first
+    assert (spans(chunks), ops) == ([(0, 4, 4)], ([(0, 1)], [], []))
+    chunks, ops = step(b, [a])
+    assert (spans(chunks), ops) == ([(0, 8, 4)], ([(0, 2)], [], []))
+    chunks, ops = step(b, [a])  # the last 2: 14 is no boundary, but 12, before the newest token, was
+    assert (spans(chunks), chunks[0].sample, ops) == ([(0, 12, 2)], True, ([(0, 3)], [], []))
     chain = b.pages.extend_chain([], a.token_ids)
-    assert [b.pages.snapshot(h) for h in chain] == [1, 2, None]
+    assert [b.pages.snapshot(h) for h in chain] == [1, 2, 3]
 
 
 def test_a_prefix_hit_resumes_only_at_a_published_snapshot():
     b = batcher(budget=32)
-    a = seq(0, list(range(10, 20)), max_tokens=3)  # 10 tokens: one chunk; decode reaches 12
+    a = seq(0, list(range(10, 20)), max_tokens=3)  # 10 tokens
     b.add(a)
-    for token in (50, 51, 52):
-        plan = b.plan(0.0)
-        b.commit(plan, {0: token}, {0: a})
-        b.step_done()
-    assert a.status is SeqStatus.FINISHED and a.num_computed == 12 and a.token_ids[10:] == [50, 51, 52]
-    assert drain_states(b) == ([(0, 1)], [0], [])  # zeroed at admission; a snapshot when 12 was reached
+    # [0, 8) then [8, 10): a snapshot at 8, the prompt's last boundary; decoding reaches 12: another
+    plans = [spans(step(b, [a])[0]) for _ in range(4)]
+    assert plans == [[(0, 0, 8)], [(0, 8, 2)], [(0, 10, 1)], [(0, 11, 1)]]
+    assert a.status is SeqStatus.FINISHED and a.num_computed == 12 and a.token_ids[10:] == [50, 50, 50]
+    chain = b.pages.extend_chain([], a.token_ids)
+    assert [b.pages.snapshot(h) for h in chain] == [None, 1, 2]
+    drain_states(b)
     # the same 12 tokens and more: pages 0..2 are cached and a snapshot follows page 2: resume at 12
     c = seq(1, a.token_ids[:12] + [60, 61, 62])
     b.add(c)
-    plan = b.plan(0.0)
-    assert (c.num_computed, plan.chunks[0].start_pos, plan.chunks[0].token_ids) == (12, 12, (60, 61, 62))
-    assert drain_states(b) == ([(1, 0)], [], [])  # snapshot 1 loads into c's live slot 0
-    b.commit(plan, {1: 70}, {1: c})
-    b.step_done()
-    # only the first 8 tokens: pages 0 and 1 are cached, but no snapshot follows page 1: from scratch
-    d = seq(2, a.token_ids[:8] + [80, 81, 82])
+    chunks, ops = step(b, [c])
+    assert (c.num_cached, spans(chunks), ops) == (12, [(1, 12, 3)], ([(2, 0)], [], []))  # snapshot 2 -> live 0
+    # its first 4 tokens only: page 0 is cached, but no snapshot follows it: from the first token
+    d = seq(2, a.token_ids[:4] + [80, 81, 82, 83, 84])
     b.add(d)
-    plan = b.plan(0.0)
-    assert (d.num_computed, plan.chunks[-1].start_pos, d.num_cached) == (0, 0, 0)
-    assert d.page_table[:2] != [0, 1] and drain_states(b)[1] == [d.state_slot]
+    chunks, ops = step(b, [c, d])
+    assert d.num_cached == 0 and (2, 0, 8) in spans(chunks) and ops[1] == [d.state_slot]
+
+
+def finish(b: Batcher, seqs: list[Sequence]) -> None:
+    while any(q.status is not SeqStatus.FINISHED for q in seqs):
+        step(b, seqs)
 
 
 def test_release_saves_the_latest_snapshot_with_the_pages_and_a_host_return_restores_both():
@@ -118,10 +133,8 @@ def test_release_saves_the_latest_snapshot_with_the_pages_and_a_host_return_rest
     b = batcher(reg=reg)
     a = seq(0, list(range(10, 20)), max_tokens=3)
     b.add(a)
-    for token in (50, 51, 52):
-        b.commit(b.plan(0.0), {0: token}, {0: a})
-        b.step_done()
-    snapshot = b.pages.snapshot(b.pages.extend_chain([], a.token_ids)[2])
+    finish(b, [a])
+    snapshot = b.pages.snapshot(b.pages.extend_chain([], a.token_ids)[2])  # after page 2, at 12
     (save,) = agree_saves(b, reg)
     assert save.copies == ((0, 0), (1, 1), (2, 2)) and save.states == ((snapshot, 0),)
     assert (reg.stats().published, reg.stats().states_used, reg.stats().in_flight) == (4, 1, 0)
@@ -130,10 +143,38 @@ def test_release_saves_the_latest_snapshot_with_the_pages_and_a_host_return_rest
     drain_states(b)
     c = seq(1, a.token_ids[:12] + [60, 61])
     b.add(c)
-    plan = b.plan(0.0)
-    assert (c.num_computed, c.num_restored, plan.chunks[0].start_pos) == (12, 12, 12)
-    assert b.restores == [(0, 0), (1, 1), (2, 2)]  # (slab, page)
-    assert drain_states(b) == ([], [], [(0, 0)])  # state slab 0 -> c's live slot 0
+    chunks, ops = step(b, [c])
+    assert (c.num_cached, c.num_restored, spans(chunks)) == (12, 12, [(1, 12, 2)])
+    assert ops == ([], [], [(0, 0)])  # state slab 0 -> c's live slot 0
+
+
+def test_taking_a_state_slot_fails_cleanly_when_every_slot_is_live_or_being_copied():
+    b = batcher(budget=32, max_running=4, pages=pool(slots=2))
+    a = seq(0, list(range(10, 19)), max_tokens=1)
+    b.add(a)
+    finish(b, [a])  # a snapshot after page 1 (slot 1), a's live slot 0 free again
+    drain_states(b)
+    c, d = seq(1, a.token_ids[:8] + [60]), seq(2, [70, 71])
+    b.add(c)
+    b.add(d)
+    chunks, ops = b.plan(0.0).chunks, drain_states(b)  # c loads the snapshot: it is pinned until the step ran
+    assert spans(chunks) == [(1, 8, 1)] and ops == ([(1, 0)], [], []) and d.status is SeqStatus.WAITING
+    assert b.pages.states_free == 0  # c's live slot 0, the pinned snapshot 1: d waits, nothing changed
+    b.step_done()
+    assert b.pages.states_free == 1 and b.pages.snapshot(b.pages.extend_chain([], a.token_ids)[1]) == 1
+
+
+def test_a_cancelled_running_sequence_returns_its_slot_and_saves_its_snapshot():
+    reg = host()
+    b = batcher(reg=reg)
+    a = seq(0, list(range(10, 22)))  # 12 tokens: [0, 8), then [8, 12), sampling: snapshots at 8 and 12
+    b.add(a)
+    step(b, [a])
+    step(b, [a])
+    b.remove(a)  # the client went away before its first decode: the latest snapshot goes to host
+    (save,) = agree_saves(b, reg)
+    assert a.state_slot == -1 and save.states == ((2, 0),) and b.pages.states_free == 4
+    assert reg.resumable("m", b.pages.extend_chain([], a.token_ids)) == 3
 
 
 def test_a_state_is_never_published_above_the_agreed_page():
@@ -171,49 +212,34 @@ def test_preemption_frees_the_live_slot_and_readmission_resumes_at_the_latest_sn
     a, c = seq(0, list(range(10, 17)), max_tokens=16), seq(1, list(range(30, 37)), max_tokens=16)
     b.add(a)
     b.add(c)
-    plan = b.plan(0.0)  # both prompts, 2 pages each: the pool is full
-    assert [ch.state_slot for ch in plan.chunks] == [0, 1]
-    b.commit(plan, {0: 50, 1: 60}, {0: a, 1: c})
-    b.step_done()
-    plan = b.plan(0.0)  # both reach 8 tokens: snapshots after page 1
-    b.commit(plan, {0: 51, 1: 61}, {0: a, 1: c})
-    b.step_done()
-    assert drain_states(b)[0] == [(0, 2), (1, 3)]
+    assert [spans(step(b, [a, c])[0]) for _ in range(3)] == [  # prompts of 7 in [0, 4) and [4, 7); a decode
+        [(0, 0, 4), (1, 0, 4)], [(0, 4, 3), (1, 4, 3)], [(0, 7, 1), (1, 7, 1)]]
+    assert drain_states(b)[0] == [(0, 2), (1, 3)]  # at 8: snapshots after page 1 (evicting those after page 0)
     assert b.plan(0.0) is None  # a needs a third page: c, the newest, is preempted; its pages are
     assert c.status is SeqStatus.WAITING and c.state_slot == -1  # pinned while saved with its snapshot
     (save,) = agree_saves(b, reg)
     assert (save.seq_id, save.copies, save.states) == (1, ((2, 0), (3, 1)), ((3, 0),))
-    plan = b.plan(0.0)  # a takes c's tail page (evicted: the least recently freed), c waits
-    assert [(ch.seq_id, ch.page_table) for ch in plan.chunks] == [(0, (0, 1, 3))]
-    b.commit(plan, {0: 52}, {0: a})
-    b.step_done()
+    chunks, _ = step(b, [a, c])  # a takes c's tail page (evicted: the least recently freed), c waits
+    assert [(ch.seq_id, ch.page_table) for ch in chunks] == [(0, (0, 1, 3))]
     b.remove(a)
     assert agree_saves(b, reg)[0].states == ((2, 1),)  # a's snapshot after its page 1 goes to host too
     # c comes back at 8: page 0 of its prefix from the device, page 1 from host slab 1, its state
     # from the device snapshot (slot 3), which a host state would back up
     plan = b.plan(0.0)
-    assert (c.num_computed, plan.chunks[0].start_pos, plan.chunks[0].token_ids) == (8, 8, (61,))
+    assert (c.num_computed, spans(plan.chunks), plan.chunks[0].token_ids) == (8, [(1, 8, 1)], (51,))
     assert (c.page_table, b.restores, drain_states(b)) == ([2, 3, 1], [(1, 3)], ([(3, 0)], [], []))
 
 
-def test_a_follower_waits_for_a_leader_and_resumes_at_its_snapshot():
-    b = batcher(budget=8)
+def test_a_prompt_sharing_a_running_prompts_prefix_does_not_wait_for_it():
+    """A follower could resume only at the chunk ends of its leader, which are not where it
+    diverges: a stateful model's prompts are admitted past one another."""
+    b = batcher(budget=32)
     shared = list(range(10, 22))
     a, f = seq(0, shared + [90, 91]), seq(1, shared + [95])
     b.add(a)
     b.add(f)
-    plan = b.plan(0.0)  # a's first 8 tokens; f's next uncached page is being computed: it waits
-    assert [c.seq_id for c in plan.chunks] == [0] and f.status is SeqStatus.WAITING
-    b.commit(plan, {}, {0: a, 1: f})
-    b.step_done()
-    plan = b.plan(0.0)  # a's tail computes page 2, which f shares: it still waits
-    assert [(c.seq_id, c.start_pos) for c in plan.chunks] == [(0, 8)]
-    b.commit(plan, {0: 50}, {0: a, 1: f})
-    b.step_done()
-    # pages 0..2 are cached, but 14 tokens end mid-page: the last snapshot follows page 1, f resumes at 8
-    plan = b.plan(0.0)
-    assert [(c.seq_id, c.start_pos) for c in plan.chunks] == [(0, 14), (1, 8)]
-    assert f.page_table[:2] == a.page_table[:2] and drain_states(b)[0][-1] == (1, f.state_slot)
+    chunks, _ = step(b, [a, f])
+    assert spans(chunks) == [(0, 0, 12), (1, 0, 12)]
 
 
 def test_memory_ops_carry_the_state_ops_and_a_switch_takes_pending_snapshots_before_its_saves():
@@ -235,13 +261,17 @@ def test_memory_ops_carry_the_state_ops_and_a_switch_takes_pending_snapshots_bef
     assert b.pages.num_state_slots == 4
     a = seq(0, list(range(10, 17)), max_tokens=8)
     b.add(a)
-    step = b.plan(0.0)
-    assert memory.ops(b).state_zero == (0,)
-    b.commit(step, {0: 50}, {0: a})
-    b.step_done()
-    b.commit(b.plan(0.0), {0: 51}, {0: a})  # 8 tokens computed: a snapshot into slot 1, copied next step
-    b.suspend()  # a switch away: a is preempted and saved with that snapshot
+    chunks, ops = [], []
+    for _ in range(3):  # [0, 4), [4, 7), a decode reaching 8
+        plan = b.plan(0.0)
+        chunks.append(spans(plan.chunks))
+        ops.append(memory.ops(b))
+        b.commit(plan, {0: 50}, {0: a})
+        b.step_done()
+    assert chunks == [[(0, 0, 4)], [(0, 4, 3)], [(0, 7, 1)]]
+    assert (ops[0].state_zero, ops[1].state_copies, ops[2].state_copies) == ((0,), ((0, 1),), ())
+    b.suspend()  # a switch away: a is preempted and saved with the snapshot after page 1 (8 tokens)
     switch = memory.switch_plan("n", b)
-    assert switch.ops.state_copies == ((0, 1),)  # taken before the save that reads it
-    assert switch.ops.saves[0].states == ((1, 0),) and switch.ops.saves[0].copies == ((0, 0), (1, 1))
+    assert switch.ops.state_copies == ((0, 2),)  # taken before the save that reads it
+    assert switch.ops.saves[0].states == ((2, 0),) and switch.ops.saves[0].copies == ((0, 0), (1, 1))
     assert memory.ops(b).state_copies == ()

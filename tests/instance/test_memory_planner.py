@@ -57,13 +57,13 @@ class Rank0:
 
 def rank0(*models: str, poison: bool = False) -> Rank0:
     """Model a open, staging towards the next model, as Scheduler.switched leaves it."""
-    layout = BumpLayout(3584, 256)
+    layout, cache = BumpLayout(3584, 256), sized_layout(PS, PAGE_BYTES // PS)
     for m in models:
-        layout.register(m, WEIGHTS[m], sized_layout(PS, PAGE_BYTES // PS))
+        layout.register(m, WEIGHTS[m], cache)
     events = CopyEventsStandIn()
     stager = Stager(CHUNK)
     memory = MemoryPlanner(layout, {m: WEIGHTS[m] for m in models}, PS, HostKVRegistry(8, PAGE_BYTES), stager,
-                           poison, events)
+                           poison, events, {m: cache for m in models})
     batcher = Batcher("a", None, 64, 8, 64, (2,))
     batcher.resume(memory.new_pool("a"))
     memory.switched("a", models[1])
