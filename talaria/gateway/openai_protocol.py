@@ -32,7 +32,7 @@ from talaria.gateway.chat_prompt import build_chat_prompt
 from talaria.gateway.errors import NOT_FOUND, APIError
 from talaria.gateway.fields import Fields
 from talaria.gateway.grammar import response_format_grammar
-from talaria.gateway.output_parser import OutputParser
+from talaria.gateway.output_parser import OutputParser, ParsedOutput, parse
 from talaria.gateway.prompt_cache import PromptCache
 from talaria.gateway.tools import parse_tools
 
@@ -79,12 +79,18 @@ class ParsedRequest:
     reasoning: bool = False  # the output starts with <think>...</think>: returned as reasoning_content
     messages: list[dict[str, Any]] | None = None  # a chat call's conversation (what session inference hashes)
     cache_salt: str | None = None  # body `cache_salt` (vLLM's): its prefixes are shared only with equal salts
+    tool_schemas: dict[str, Any] | None = None  # the offered functions' parameter schemas by name (XML calls' types)
+    reasoning_open: bool = False  # the prompt ends inside <think>: the output starts as reasoning
 
     def output_parser(self) -> OutputParser | None:
         """A fresh parser for this call's output; None when the output is plain text."""
         if self.tool_format is None and not self.reasoning:
             return None
-        return OutputParser(self.tool_format, self.reasoning)
+        return OutputParser(self.tool_format, self.reasoning, self.tool_schemas, self.reasoning_open)
+
+    def parse_output(self, text: str) -> ParsedOutput:
+        """A chat call's whole output, parsed as `output_parser` parses it streamed."""
+        return parse(text, self.tool_format, self.reasoning, self.tool_schemas, self.reasoning_open)
 
 
 def request_fields(body: Any) -> Fields:
@@ -140,11 +146,13 @@ def parse_request(
     arch = catalog.arch(model)
     stop_ids = f.int_list("stop_token_ids", minimum=0, below=arch.vocab_size, most=MAX_STOP_TOKEN_IDS)
     grammar, tool_format, reasoning, messages = None, None, False, None
+    schemas, reasoning_open = None, False
     if endpoint is Endpoint.CHAT:
         prompt_param = "messages"
         messages = _messages(f)
         chat = build_chat_prompt(catalog, model, messages, parse_tools(f), response_format_grammar(f), prompts)
         prompt_ids, grammar, tool_format, reasoning = chat.ids, chat.grammar, chat.tool_format, chat.reasoning
+        schemas, reasoning_open = chat.tool_schemas, chat.reasoning_open
     else:
         prompt_param = "prompt"
         prompt_ids = _completion_prompt(f, tokenizer, arch.vocab_size)
@@ -177,7 +185,8 @@ def parse_request(
         grammar=grammar,
     )
     return ParsedRequest(endpoint, model, prompt_ids, sampling, stream, include_usage, stops, session_id,
-                         tool_format, reasoning, messages, cache_salt(f))
+                         tool_format, reasoning, messages, cache_salt(f),
+                         tool_schemas=schemas, reasoning_open=reasoning_open)
 
 
 def cache_salt(f: Fields) -> str | None:
@@ -260,9 +269,15 @@ def _check_tool_calls(calls: Any, where: str, role: str) -> None:
                                    f"{where}.tool_calls[{j}]")
 
 
+IMAGE_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio")  # what vision clients send
+
+
 def _text_part(part: Any, where: str) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
+    if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+        raise APIError.invalid(f"{where}: {part['type']} inputs are not supported: Talaria serves the text "
+                               "model of vision-language checkpoints (Qwen3.5); send text parts", where)
     raise APIError.invalid(f"{where}: only text content parts are supported", where)
 
 

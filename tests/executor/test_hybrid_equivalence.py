@@ -43,6 +43,7 @@ TINY = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "moe_inte
         "max_position_embeddings": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 8, "linear_value_head_dim": 8}  # tp 2 splits every head kind
 HYBRID = {"next": "qwen3_next", "q35": "qwen3_5_moe"}  # name -> family
+TINY_TYPES = ["linear_attention"] * 3 + ["full_attention"]  # transformers' default: every 4th layer attends
 SUBSTRATE = {"pool": Pool.COLD, "page_size": PS, "debug_poison": True, "staging_chunk_bytes": 4096,
              "host_kv_bytes": 8 << 20, "ttft_s": 3600.0, "arena_bytes": 16 << 20}
 
@@ -224,3 +225,28 @@ def test_tp2_group_switches_and_restores_equal_transformers(refs, profile_for):
         assert toks == refs[name].greedy(prompt), f"{name} turn {turn} tp=2"
         if turn == 2:
             assert usage.restored_tokens == snapshot_at(PROMPTS[name]), f"{name}: not restored from host"
+
+
+def test_a_vision_language_checkpoint_serves_its_text_model(tmp_path, profile_for):
+    """Qwen3.5 ships as a vision-language checkpoint: a `qwen3_5_moe` config whose `text_config` is the
+    text model, weights under model.language_model.*, beside a vision tower the engine never reads."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+              "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
+    hf = Qwen3_5MoeForConditionalGeneration._from_config(Qwen3_5MoeConfig(text_config=TINY, vision_config=vision),
+                                                         dtype=torch.float64, experts_implementation="eager")
+    text = build("qwen3_5_moe")  # the text model's weights drawn as above, into the VL model
+    with torch.no_grad():
+        for name, p in text.named_parameters():
+            hf.get_parameter(name.replace("model.", "model.language_model.", 1)).copy_(p)
+    save(hf.eval(), tmp_path)
+    files = prepare_model(ModelConfig(name="vl", source=str(tmp_path), dtype="float64"), None)
+    assert files.arch.family == "qwen3_5_moe" and files.arch.layer_types == tuple(TINY_TYPES)
+    core = engine([files], page_size=PS, host_kv_bytes=0, profile=profile_for([files], 1))
+    weights = core.executor.substrate.images["vl"].weights
+    visual = sum(p.numel() for n, p in hf.named_parameters() if ".visual." in n) * 8
+    assert visual and weights.bytes_read == (sum(p.numel() for p in text.parameters())) * 8  # no vision byte read
+    out = run(core, [InstanceCall("1", "vl", tuple(PROMPTS["q35"]), GREEDY)])["1"]
+    assert tokens(out) == hf_greedy(hf)(PROMPTS["q35"])

@@ -250,3 +250,12 @@ def test_invalid_requests(catalog, endpoint, body, status, param, code):
     err = info.value
     assert (err.status, err.param, err.code) == (status, param, code), err.message
     assert err.body()["error"]["param"] == param and err.body()["error"]["message"] == err.message
+
+
+def test_an_image_part_is_refused_saying_only_text_is_served(catalog):
+    body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    with pytest.raises(APIError) as info:
+        parse_request(CHAT, body, catalog)
+    assert (info.value.status, info.value.param) == (400, "messages[0].content[1]")
+    assert "image_url inputs are not supported" in info.value.message and "text model" in info.value.message
