@@ -168,7 +168,8 @@ def _with_switch(profile: ModelProfile, record: SwitchRecord | None) -> ModelPro
 
 def _model_profile(executor: Executor, name: str, probes: Probes, record: SwitchRecord | None) -> ModelProfile:
     sub, ps = executor.substrate, executor.instance.page_size
-    capacity = sub.plan.num_pages * ps
+    # probes fit the KV pool and the model's context (its RoPE tables end there)
+    capacity = min(sub.plan.num_pages * ps, sub.images[name].files.arch.max_position)
     limit = max(1, min(executor.instance.max_batch_tokens, capacity - ps))
     # the probe sizes that fit this instance; a tiny pool or step budget still gets two points
     sizes = [t for t in probes.prefill_tokens if t <= limit] or sorted({max(1, limit // 4), limit})

@@ -11,7 +11,6 @@ snapshot was published, so the position is the last page boundary its previous c
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import pytest
@@ -31,51 +30,16 @@ from talaria.contracts.profile import (
 from talaria.contracts.profile_file import save_profile
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.models.source import ModelFiles, prepare_model
-from talaria.models.synthetic import byte_tokenizer
 from talaria.node.engine_group import EngineGroup
 from tests.executor.test_moe_equivalence import Reference, hf_greedy
+from tests.hybrid_models import TINY, build, save
 from tests.tiny_models import GREEDY, arena_for_pages, engine, instance, run, tokens
 
 PS = 4
-TINY = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 24,
-        "shared_expert_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
-        "max_position_embeddings": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8, "linear_value_head_dim": 8}  # tp 2 splits every head kind
 HYBRID = {"next": "qwen3_next", "q35": "qwen3_5_moe"}  # name -> family
 TINY_TYPES = ["linear_attention"] * 3 + ["full_attention"]  # transformers' default: every 4th layer attends
 SUBSTRATE = {"pool": Pool.COLD, "page_size": PS, "debug_poison": True, "staging_chunk_bytes": 4096,
              "host_kv_bytes": 8 << 20, "ttft_s": 3600.0, "arena_bytes": 16 << 20}
-
-
-def build(family: str, seed: int = 7, **overrides):
-    """A transformers hybrid model in float64 with the eager experts, weights drawn so that greedy
-    tokens are well separated (decays and step sizes of both signs around their typical values)."""
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
-        Qwen3_5MoeTextConfig,
-    )
-
-    config_class = {"qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}[family]
-    model = AutoModelForCausalLM.from_config(config_class(**TINY | overrides), dtype=torch.float64,
-                                             experts_implementation="eager")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "A_log" in name or "dt_bias" in name:  # zero-centred norms: 1 + w
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
-            else:  # projections, convolution, router, experts: 1 / sqrt(fan_in)
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / p.shape[-1] ** 0.5)
-    return model.eval()
-
-
-def save(model, directory) -> None:
-    model.save_pretrained(directory)
-    tok, tok_config = byte_tokenizer(TINY["vocab_size"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -250,3 +214,17 @@ def test_a_vision_language_checkpoint_serves_its_text_model(tmp_path, profile_fo
     assert visual and weights.bytes_read == (sum(p.numel() for p in text.parameters())) * 8  # no vision byte read
     out = run(core, [InstanceCall("1", "vl", tuple(PROMPTS["q35"]), GREEDY)])["1"]
     assert tokens(out) == hf_greedy(hf)(PROMPTS["q35"])
+
+
+def test_start_up_calibration_probes_a_hybrid_model_within_its_context(refs):
+    """No profile given: the instance calibrates, its probe sequences holding state slots and their
+    positions within the model's 256-token context (a pool of thousands of tokens would reach past
+    its RoPE tables), and the profile prices a state restore beside the tokens."""
+    files = refs["next"].files
+    core = engine([files], pool=Pool.COLD, page_size=PS, host_kv_bytes=1 << 20, max_batch_tokens=512, ttft_s=3600.0)
+    layout = kv_layout(files.arch, 1, PS, files.dtype)
+    priced = core.profile.model("next")
+    assert (priced.token_bytes, priced.state_bytes) == (layout.token_bytes, layout.state_bytes)
+    assert core.executor.substrate.plan.num_pages * PS > files.arch.max_position
+    out = run(core, [InstanceCall("1", "next", tuple(PROMPTS["next"]), GREEDY)])["1"]
+    assert tokens(out) == refs["next"].greedy(PROMPTS["next"])
