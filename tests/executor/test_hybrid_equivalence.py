@@ -195,7 +195,9 @@ def test_a_vision_language_checkpoint_serves_its_text_model(tmp_path, profile_fo
     """Qwen3.5 ships as a vision-language checkpoint: a `qwen3_5_moe` config whose `text_config` is the
     text model, weights under model.language_model.*, beside a vision tower the engine never reads."""
     from transformers import Qwen3_5MoeForConditionalGeneration
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+    )
 
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
               "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
