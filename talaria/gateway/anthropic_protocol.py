@@ -80,7 +80,8 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
     sampling = SamplingParams(max_tokens=min(max_tokens or 1, room), temperature=temperature, top_p=top_p,
                               top_k=top_k or 0, stop_token_ids=tuple(tokenizer.eos_token_ids), grammar=chat.grammar)
     return ParsedRequest(Endpoint.MESSAGES, model, chat.ids, sampling, stream, False, stops, session,
-                         chat.tool_format, chat.reasoning, messages, cache_salt(f))
+                         chat.tool_format, chat.reasoning, messages, cache_salt(f),
+                         tool_schemas=chat.tool_schemas, reasoning_open=chat.reasoning_open)
 
 
 def _output_format(f: Fields) -> str | None:

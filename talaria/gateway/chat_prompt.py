@@ -20,6 +20,8 @@ from jinja2 import TemplateError
 from talaria.config.schema import ToolParser
 from talaria.gateway.errors import APIError
 from talaria.gateway.grammar import tool_call_grammar
+from talaria.gateway.json_scan import WHITESPACE
+from talaria.gateway.output_parser import THINK
 from talaria.gateway.prompt_cache import PromptCache
 from talaria.gateway.tools import ToolChoice, Tools, model_formats, template_messages
 from talaria.models.errors import ChatTemplateError
@@ -35,6 +37,8 @@ class ChatPrompt:
     tool_format: ToolParser | None  # parse tool calls of this format out of the output (None: don't)
     reasoning: bool  # the output starts with reasoning (<think>...</think>)
     grammar: str | None  # what the output must follow (a forced tool choice, a JSON format); None: free
+    tool_schemas: dict[str, Any] | None = None  # the offered functions' parameter schemas by name (XML calls' types)
+    reasoning_open: bool = False  # the prompt ends inside <think> (Qwen3.5's): the output starts as reasoning
 
 
 def build_chat_prompt(catalog: ModelCatalog, model: str, messages: list[dict[str, Any]], tools: Tools | None,
@@ -43,11 +47,12 @@ def build_chat_prompt(catalog: ModelCatalog, model: str, messages: list[dict[str
     """The prompt of a validated conversation; raises APIError 400 for what the model cannot do."""
     tokenizer = catalog.tokenizer(model)
     formats = model_formats(catalog.config.model(model), tokenizer)
-    tool_format, grammar = None, None
+    tool_format, grammar, schemas = None, None, None
     if tools is not None and tools.choice is not ToolChoice.NONE:
         if formats.tools is None:
             raise APIError.invalid(f"model {model!r} does not call tools (its tool_parser is \"none\")", tools_param)
         tool_format = formats.tools
+        schemas = {fn.name: fn.parameters for fn in tools.functions}
         if tools.forced:
             grammar = tool_call_grammar(formats.tools, tools.forced, tools.parallel and tools.named is None)
     if response_grammar is not None:
@@ -64,4 +69,6 @@ def build_chat_prompt(catalog: ModelCatalog, model: str, messages: list[dict[str
         ids = prompts.encode(tokenizer, model, message_chain(messages), text)
     else:
         ids = tokenizer.encode_prompt(text).ids
-    return ChatPrompt(ids, tool_format, formats.reasoning, grammar)
+    # a grammar applies from the first token, so a constrained answer never starts inside reasoning
+    opened = formats.reasoning and grammar is None and text.rstrip(WHITESPACE).endswith(THINK)
+    return ChatPrompt(ids, tool_format, formats.reasoning, grammar, schemas, opened)

@@ -57,7 +57,7 @@ from talaria.gateway.http import (
 from talaria.gateway.limits import ConnectionLimit
 from talaria.gateway.metrics import GatewayMetrics
 from talaria.gateway.openai_protocol import Endpoint, ParsedRequest, parse_request
-from talaria.gateway.output_parser import Content, parse
+from talaria.gateway.output_parser import Content
 from talaria.gateway.peer_forward import FORWARDED_HEADER, forward
 from talaria.gateway.prompt_cache import PromptCache
 from talaria.gateway.responses import ResponseFormat
@@ -241,7 +241,7 @@ class Gateway:
                     headers["x-talaria-instance-time"] = f"{gen.timings.service_s:.6f}"
                 headers["x-talaria-instance"] = gen.group.name
                 text = "".join(parts)
-                output = parse(text, parsed.tool_format, parsed.reasoning) if parsed.messages is not None else None
+                output = parsed.parse_output(text) if parsed.messages is not None else None
                 body = fmt.whole(text, output, gen.finish_reason, gen.usage, gen.stop_sequence)
                 gen.reply_message = fmt.reply_message()
                 response = SentThen(body, headers, lambda: self._record(gen, parsed, arrival))

@@ -11,60 +11,52 @@ part of a tool call is ever sent as content.
 What it recognises:
 - **Reasoning** (models that think first, Qwen3's format): output that starts with `<think>`
   (after optional whitespace) is reasoning up to `</think>`; whitespace after it is dropped. Tool
-  calls inside reasoning are reasoning.
+  calls inside reasoning are reasoning. When the prompt itself ends inside `<think>` (Qwen3.5's
+  generation prompt opens it: `reasoning_open`), the output is reasoning from its first character.
 - **Hermes / Qwen tool calls** (`ToolParser.HERMES`): `<tool_call>{"name": N, "arguments": A}</tool_call>`
   anywhere in the content, any number of them, text before, between and after (whitespace right
   after a call's closing tag is dropped: it separates calls, it is not an answer).
 - **Llama-3 JSON tool calls** (`ToolParser.LLAMA3_JSON`): output that starts (after whitespace,
   and an optional `<|python_tag|>`) with `{"name": N, "parameters": A}`; several separated by `;`;
   text after the last is content. Output that starts otherwise is all content.
+- **Qwen3-Coder / Qwen3.5 XML tool calls** (`ToolParser.QWEN3_CODER`): `<tool_call><function=N>
+  <parameter=P>value</parameter></function></tool_call>`, values typed by the tool's schema; the
+  answer after the reasoning is read by `XmlCallParser` (talaria/gateway/xml_call_parser.py), whose
+  docstring has its rules. The events are the same (talaria/gateway/output_events.py).
 
-A call begins once its head is complete: `{"name": N, "arguments": ` (the key may also be
-`"parameters"`, whitespace may come between the parts) and the first character of the value. Then
-`CallStart` names it and the text of the arguments value follows as `CallArguments` pieces as it
-arrives. A call cut short (max_tokens, a stop) keeps the arguments it has; a Hermes call whose JSON
-never closes ends at its `</tool_call>` (outside a string). A block that is not a call before its
-head completes (malformed, another key first, no arguments, truncated) is content, as it was
-written. Call syntax is never content: whitespace around calls, a `;` or `</tool_call>` left
-dangling at the end, and what precedes a Llama-3 call (whitespace, `<|python_tag|>`) are dropped.
+A JSON call (Hermes, Llama 3) begins once its head is complete: `{"name": N, "arguments": ` (the key
+may also be `"parameters"`, whitespace may come between the parts) and the first character of the
+value. Then `CallStart` names it and the text of the arguments value follows as `CallArguments`
+pieces as it arrives. A call cut short (max_tokens, a stop) keeps the arguments it has; a Hermes
+call whose JSON never closes ends at its `</tool_call>` (outside a string). A block that is not a
+call before its head completes (malformed, another key first, no arguments, truncated) is content,
+as it was written. Call syntax is never content: whitespace around calls, a `;` or `</tool_call>`
+left dangling at the end, and what precedes a Llama-3 call (whitespace, `<|python_tag|>`) are
+dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from talaria.config.schema import ToolParser
 from talaria.gateway.json_scan import PARTIAL, WHITESPACE, ValueScanner, match_head
+from talaria.gateway.output_events import (
+    CallArguments,
+    CallStart,
+    Content,
+    Event,
+    Reasoning,
+    held,
+)
+from talaria.gateway.xml_call_parser import XmlCallParser
 
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-
-
-@dataclass(frozen=True, slots=True)
-class Content:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Reasoning:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class CallStart:
-    index: int  # 0, 1, ... in the order the calls appear
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class CallArguments:
-    index: int
-    text: str  # the next piece of the arguments value's JSON text
-
-
-Event = Content | Reasoning | CallStart | CallArguments
 
 
 @dataclass
@@ -92,9 +84,10 @@ def assemble(events: list[Event]) -> ParsedOutput:
     return out
 
 
-def parse(text: str, tools: ToolParser | None, reasoning: bool) -> ParsedOutput:
+def parse(text: str, tools: ToolParser | None, reasoning: bool, schemas: Mapping[str, Any] | None = None,
+          reasoning_open: bool = False) -> ParsedOutput:
     """The whole output at once: the same parser, fed everything."""
-    p = OutputParser(tools, reasoning)
+    p = OutputParser(tools, reasoning, schemas, reasoning_open)
     return assemble(p.feed(text) + p.finish())
 
 
@@ -111,10 +104,15 @@ class _State(Enum):
 
 
 class OutputParser:
-    def __init__(self, tools: ToolParser | None, reasoning: bool) -> None:
+    """`schemas`: the offered functions' parameter schemas by name (the XML format types its values
+    by them). `reasoning_open`: the prompt ends inside `<think>`, so the output starts as reasoning."""
+
+    def __init__(self, tools: ToolParser | None, reasoning: bool, schemas: Mapping[str, Any] | None = None,
+                 reasoning_open: bool = False) -> None:
         self.tools = tools
         self.reasoning = reasoning
-        self._state = _State.START
+        self._state = _State.REASONING if reasoning and reasoning_open else _State.START
+        self._xml = XmlCallParser(schemas) if tools is ToolParser.QWEN3_CODER else None  # reads the answer
         self._buf = ""  # text fed and not yet turned into events
         self._calls = 0  # calls started
         self._raw = ""  # a call block's text so far, in case it turns out not to be a call
@@ -139,6 +137,8 @@ class OutputParser:
             out.append(Content(buf))
         elif s is _State.HEAD:  # cut short before its name was complete: not a call
             out.append(Content(self._raw + buf))
+        if self._xml is not None:
+            out += self._xml.finish()
         self._buf = ""
         return out
 
@@ -218,6 +218,10 @@ class OutputParser:
 
     def _content(self, out: list[Event]) -> bool:
         buf = self._buf
+        if self._xml is not None:
+            out += self._xml.feed(buf)
+            self._buf = ""
+            return False
         if self._state is _State.TEXT or self.tools is not ToolParser.HERMES:
             out.append(Content(buf))
             self._buf = ""
@@ -234,7 +238,7 @@ class OutputParser:
         buf = self._buf
         i = buf.find(tag)
         if i < 0:
-            keep = _held(buf, tag)
+            keep = held(buf, tag)
             if len(buf) > keep:
                 out.append(kind(buf[:len(buf) - keep]))
                 self._buf = buf[len(buf) - keep:]
@@ -294,10 +298,3 @@ class OutputParser:
         self._buf, self._state = rest, _State.TEXT  # trailing text after the calls
         return True
 
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag` (held back)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0

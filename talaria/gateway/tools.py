@@ -2,9 +2,10 @@
 sees them.
 
 `parse_tools` validates `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's shapes). A
-model's formats come from its config or, with `auto`, from its chat template (`model_formats`):
-Llama 3's template (an `ipython` role) writes the Llama-3 JSON format; every other one the Hermes
-format. `template_messages` prepares a conversation for the template:
+model's formats come from its config or, with `auto`, from its chat template (`model_formats`): a
+template that renders calls as `<function=...>` with `<parameter=...>` blocks (Qwen3-Coder, Qwen3.5)
+writes the XML format; Llama 3's (an `ipython` role) the Llama-3 JSON format; every other one the
+Hermes format. `template_messages` prepares a conversation for the template:
 - a template that takes `tools` gets them, and assistant tool calls with their arguments as objects,
   as Hugging Face templates expect;
 - a template without a tool section (SmolLM2's) gets the **default rendering**, in the Hermes format:
@@ -131,7 +132,7 @@ def _function(tool: Any, i: int) -> tuple[Function, str]:
 class ModelFormats:
     """How one model writes tool calls and reasoning, and whether its template renders tools."""
 
-    tools: ToolParser | None  # HERMES or LLAMA3_JSON; None: the model does no tool calling
+    tools: ToolParser | None  # HERMES, LLAMA3_JSON or QWEN3_CODER; None: the model does no tool calling
     reasoning: bool  # its output starts with <think>...</think>
     template_tools: bool  # its chat template takes `tools` (else: the default Hermes rendering)
 
@@ -141,7 +142,12 @@ def model_formats(config: ModelConfig, tokenizer: Tokenizer) -> ModelFormats:
     source = tokenizer.chat_template_source or ""
     tools = config.tool_parser
     if tools is ToolParser.AUTO:
-        tools = ToolParser.LLAMA3_JSON if ("<|python_tag|>" in source or "ipython" in source) else ToolParser.HERMES
+        if "<function=" in source and "<parameter=" in source:  # Qwen3-Coder's and Qwen3.5's calls
+            tools = ToolParser.QWEN3_CODER
+        elif "<|python_tag|>" in source or "ipython" in source:
+            tools = ToolParser.LLAMA3_JSON
+        else:
+            tools = ToolParser.HERMES
     reasoning = config.reasoning_parser
     if reasoning is ReasoningParser.AUTO:
         reasoning = ReasoningParser.THINK if "<think>" in source else ReasoningParser.NONE
