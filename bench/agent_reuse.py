@@ -38,11 +38,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from talaria.config.schema import ModelConfig, Pool  # noqa: E402
-from talaria.contracts.call import InstanceCall, SamplingParams  # noqa: E402
-from talaria.models.source import prepare_model  # noqa: E402
-from tests.executor.test_hybrid_equivalence import TINY, build, save  # noqa: E402
-from tests.tiny_models import engine, run, tokens  # noqa: E402
+from talaria.config.schema import ModelConfig, Pool
+from talaria.contracts.call import InstanceCall, SamplingParams
+from talaria.models.source import prepare_model
+from tests.hybrid_models import TINY, build, save
+from tests.tiny_models import engine, run, tokens
 
 PS = 16
 CALLS = 6

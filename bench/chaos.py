@@ -3,35 +3,47 @@
     python bench/chaos.py [--trials N] [--seed S] [--quick] [--only tp1|tp2|kill] [--first I]
                           [--deadline-s S] [--json PATH] [--workdir DIR]
 
-A trial is a small random scenario: 2-5 sessions on 1-3 tiny float64 models (tests/tiny_models.py's
-shapes), each 1-3 greedy `ignore_eos` turns, a turn's prompt being the previous prompt, its output and
-a few new tokens (so returning sessions are served from the prefix cache or the host KV registry),
-some sessions sharing a first prefix, a few calls cancelled after a random number of tokens. Each
-trial also draws its instance: page size, a KV pool often just big enough for the longest call (so
+A trial is a small random scenario: 2-5 sessions on 1-3 of five tiny float64 models (below), each
+1-3 greedy `ignore_eos` turns, a turn's prompt being the previous prompt, its output and a few new
+tokens (so returning sessions are served from the prefix cache or the host KV registry), some
+sessions sharing a first prefix, a few calls cancelled after a random number of tokens. Each trial
+also draws its instance: page size, a KV pool often just big enough for the longest call (so
 sequences are preempted), `max_running`, `max_batch_tokens` (chunked prefill), a host KV budget of
 0-16 slabs (restores shrink, slabs are evicted) or a roomy one, staging in 4 or 16 KiB chunks or
 none (KV dirties staged chunks), the round length, and always `debug_poison`: a stale read is NaN.
+
+The five models: the synthetic llama, qwen2 and qwen3 of tests/tiny_models.py's SHAPES, and the two
+hybrid families, qwen3_next and qwen3_5_moe (Gated DeltaNet layers keeping a recurrent state beside
+gated attention layers keeping pages, MoE), built with transformers by tests/hybrid_models.py, saved
+into the work directory and loaded from there (max_position_embeddings 512, as the synthetic ones).
+A hybrid resumes only at a published state snapshot, so its prefix hits, host restores, preemptions
+and switches take the state paths; the mechanism table counts each mechanism that involved a hybrid
+again as `hybrid_<mechanism>` (preemption per model in tp1 only).
 
 Three kinds of trial:
 
 * tp1 (most): in-process, the Driver a rank-0 worker runs, stepped by hand; between steps the trial
   forces switches (`scheduler.force_switch`) and retargets staging (`scheduler.stage_next`).
 * tp2: an EngineGroup of two workers over gloo, reused for a block of trials (its instance drawn per
-  block); the sessions run as concurrent tasks while another task forces switches (`group.switch`).
-* kill: a real `talaria up` (hot-0: TP=1, one model; cold-0: TP=2, two models). While calls stream
-  (sometimes during an admin switch, with more calls sent just after), SIGKILL rank 0 or 1 of one
-  instance. Every failed call must fail with the API's JSON error (an HTTP error status, or an
-  in-band stream event, `{"error": {"message": ..., "code": ...}}`), the instance must report a
-  restart and be healthy again, and the calls after it (returning sessions, failed calls retried,
-  the other instance's) must succeed.
+  block: a hybrid, the two taking turns, a synthetic model and sometimes a third); the sessions run
+  as concurrent tasks while another task forces switches (`group.switch`).
+* kill: a real `talaria up` (hot-0: TP=1, qwen3_next; cold-0: TP=2, llama, qwen3 and qwen3_5_moe).
+  While calls stream (sometimes during an admin switch, with more calls sent just after), SIGKILL
+  rank 0 or 1 of one instance. Every failed call must fail with the API's JSON error (an HTTP error
+  status, or an in-band stream event, `{"error": {"message": ..., "code": ...}}`), the instance must
+  report a restart and be healthy again, and the calls after it (returning sessions, failed calls
+  retried, the other instance's) must succeed.
 
-The checks: a completed call's tokens equal `ReferenceLlama.greedy` (tests/executor/reference.py, a
-plain cache-free recompute) for its prompt; a cancelled call's tokens are a prefix of them. The HTTP
-API returns text, not token ids, so kill trials compare text (the reference's ids decoded by the
-model's byte tokenizer, token by token as the gateway streams) and the completion token count: token
-ids are checked exactly in tp1 and tp2 trials, text only in kill trials. A failure is clean when it
-is the engine's own error (a record with `error`, InstanceFailed) or a JSON error body with a code;
-a hang is a call, switch or restart not finished within --deadline-s (a restart: 3x that).
+The checks: a completed call's tokens equal the reference's greedy tokens for its prompt; a cancelled
+call's tokens are a prefix of them. The reference of a synthetic model is `ReferenceLlama.greedy`
+(tests/executor/reference.py, a plain cache-free recompute); of a hybrid, transformers' own float64
+`generate` on the model it was saved from (greedy, no eos_token_id, so exactly n tokens, as
+`ignore_eos` decodes). The HTTP API returns text, not token ids, so kill trials compare text (the
+reference's ids decoded by the model's byte tokenizer, token by token as the gateway streams) and the
+completion token count: token ids are checked exactly in tp1 and tp2 trials, text only in kill
+trials. A failure is clean when it is the engine's own error (a record with `error`, InstanceFailed)
+or a JSON error body with a code; a hang is a call, switch or restart not finished within
+--deadline-s (a restart: 3x that).
 
 Reproduce a trial with `--only KIND --first I --trials 1 --seed S` (each incident in the JSON has
 the command): its workload and instance come from (seed, kind, index) alone, but what interleaves
@@ -58,6 +70,7 @@ import traceback
 from collections import Counter
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/ (and talaria) from here
@@ -73,16 +86,17 @@ from report import (  # bench/report.py, beside this script
 )
 from server import start_server, stop_server, wait_healthy  # bench/server.py
 
-from talaria.config.schema import InstanceConfig, Pool
+from talaria.config.schema import InstanceConfig, ModelConfig, Pool
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.contracts.profile_file import save_profile
 from talaria.executor.driver import start_driver
 from talaria.executor.executor import Executor
 from talaria.executor.parallel import TPGroup
-from talaria.models.source import ModelFiles
+from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.tokenizer import Tokenizer
 from talaria.node.engine_group import EngineGroup
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from tests import hybrid_models
 from tests.executor.reference import ReferenceLlama
 from tests.tiny_models import SHAPES, instance, tiny_files
 
@@ -93,7 +107,8 @@ VOCAB = SHAPES["llama"].vocab_size  # prompts draw from the whole vocabulary, sp
 MAX_SEQUENCE = 24 + 40 + 16 + 2 * (8 + 16)  # the longest sequence draw_sessions can make
 GAP_STEPS, GAP_S = 20, 0.05  # a turn's gap (drawn in [0, 1)) in engine steps (tp1) or seconds (tp2)
 SWITCH_P, STAGE_P = 0.08, 0.03  # tp1: per step, a forced switch / a staging retarget
-KILL_INSTANCES = {"hot-0": ("tiny-llama",), "cold-0": ("tiny-qwen2", "tiny-qwen3")}  # tp 1, tp 2
+HYBRID_POSITIONS = 512  # the hybrids' max_position_embeddings: a kill trial's longest session fits, as in SHAPES
+KILL_INSTANCES = {"hot-0": ("tiny-qwen3_next",), "cold-0": ("tiny-llama", "tiny-qwen3", "tiny-qwen3_5_moe")}  # tp 1, 2
 COUNTS = ("trials", "calls", "matched", "cancelled", "divergent_calls", "divergent_tokens", "clean_failures",
           "unexpected_failures", "unclean_failures", "hangs")
 
@@ -186,19 +201,42 @@ def trial_rng(seed: int, kind: str, index: int) -> random.Random:
 
 # ---- the reference and the tally ---------------------------------------------------------------
 
+def build_hybrids(directory: Path) -> dict[str, tuple[ModelFiles, object]]:
+    """The two hybrid families (tests/hybrid_models.py): each built in float64 with transformers, saved
+    under `directory` and loaded from there as `talaria up` would; with its transformers model, the
+    reference. max_position_embeddings is raised to HYBRID_POSITIONS (RoPE has no scaling, so only the
+    engine's context limit changes) so that a kill trial's long calls fit."""
+    out = {}
+    for family in hybrid_models.FAMILIES:
+        name = f"tiny-{family}"
+        model = hybrid_models.build(family, max_position_embeddings=HYBRID_POSITIONS)
+        hybrid_models.save(model, directory / name)
+        out[name] = (prepare_model(ModelConfig(name=name, source=str(directory / name), dtype="float64"), None), model)
+    return out
+
+
+def hybrid_names(files) -> set[str]:
+    """Which of these models are hybrids (DeltaNet state beside attention pages)."""
+    return {f.name for f in files if f.arch.family in hybrid_models.FAMILIES}
+
+
 class Oracle:
     """The reference's greedy tokens per (model, prompt), memoized (a shorter answer is a prefix of a
-    longer one), and their text as the gateway streams it."""
+    longer one), and their text as the gateway streams it. The reference is `ReferenceLlama.greedy`
+    (a cache-free recompute) for the synthetic families and transformers' own float64 `generate` for
+    the hybrids (`hf`: name -> the transformers model)."""
 
-    def __init__(self, files: list[ModelFiles]) -> None:
-        self._refs = {f.name: ReferenceLlama(f.directory) for f in files}
+    def __init__(self, files: list[ModelFiles], hf: dict) -> None:
+        self._refs = {f.name: ReferenceLlama(f.directory).greedy for f in files if f.name not in hf}
+        self._refs |= {name: partial(hybrid_models.greedy, model) for name, model in hf.items()}
         self._tokenizers = {f.name: Tokenizer.load(f.directory) for f in files}
         self._memo: dict[tuple, list[int]] = {}
+        self.hybrids = set(hf)  # the models transformers is the reference of
 
     def tokens(self, model: str, prompt: tuple[int, ...], n: int) -> list[int]:
         have = self._memo.get((model, prompt), [])
         if len(have) < n:
-            have = self._memo[model, prompt] = self._refs[model].greedy(list(prompt), n)
+            have = self._memo[model, prompt] = self._refs[model](list(prompt), n)
         return have[:n]
 
     def text(self, model: str, ids: list[int]) -> str:
@@ -279,23 +317,32 @@ class Tally:
                 f"{c['hangs']} hangs")
 
 
-def mechanisms(events: list, usages: list) -> set[str]:
-    """What a trial exercised, from the instance's events and its calls' usage records."""
+def mechanisms(events: list, usages: list, hybrids: set[str]) -> set[str]:
+    """What a trial exercised, from the instance's events and its calls' (model, usage) records; each
+    mechanism that involved a hybrid model (`hybrids`) is also counted as `hybrid_<mechanism>` (a
+    hybrid's prefix hit or host restore resumes at a published state snapshot)."""
     seen = set()
+
+    def saw(mechanism: str, *models: str | None) -> None:
+        seen.add(mechanism)
+        seen.update({f"hybrid_{mechanism}"} if hybrids.intersection(models) else ())
+
     for e in events:
         kind = e.kind.value
         if kind == "switch":
-            seen.add("switch")
+            models = (e.data.get("from_model"), e.data.get("to_model"))
+            saw("switch", *models)
             if e.data.get("path") in ("full_d2d", "partial"):
-                seen.add("switch_from_staged_chunks")
+                saw("switch_from_staged_chunks", *models)
             if any(r.get("dirty_bytes", 0) > 0 for r in e.data.get("ranks", ())):
-                seen.add("dirty_staged_chunks")
+                saw("dirty_staged_chunks", *models)
         elif kind == "kv_restore":
-            seen.add("host_kv_restore")
-    if any(u.restored_tokens for u in usages):
-        seen.add("host_kv_restore")
-    if any(u.cached_tokens > u.restored_tokens for u in usages):
-        seen.add("device_prefix_hit")
+            saw("host_kv_restore", e.data.get("model"))
+    for model, u in usages:
+        if u.restored_tokens:
+            saw("host_kv_restore", model)
+        if u.cached_tokens > u.restored_tokens:
+            saw("device_prefix_hit", model)
     return seen
 
 
@@ -352,7 +399,7 @@ def tp1_trial(index: int, files: list[ModelFiles], oracle: Oracle, tally: Tally,
             cancelled = out.finish is FinishReason.CANCELLED
             seen.update({"cancel"} if cancelled else ())
             tally.check("tp1", index, what, got, oracle.tokens(s.model, prompt, s.turns[k].max_tokens), cancelled)
-            usages.append(out.usage)
+            usages.append((s.model, out.usage))
             if not cancelled and k + 1 < len(s.turns):
                 nxt = s.turns[k + 1]
                 due.append((step + int(nxt.gap * GAP_STEPS), s, k + 1, prompt + tuple(got) + nxt.new_tokens))
@@ -383,8 +430,10 @@ def tp1_trial(index: int, files: list[ModelFiles], oracle: Oracle, tally: Tally,
         for rid in live:
             tally.failure("tp1", index, rid, False, "exception", traceback.format_exc())
     stats = core.stats()
-    seen |= mechanisms(core.scheduler.drain_events(), usages)
+    hybrids = hybrid_names(chosen)
+    seen |= mechanisms(core.scheduler.drain_events(), usages, hybrids)
     seen.update({"preemption"} if stats.preemptions else ())
+    seen.update({"hybrid_preemption"} if any(core.scheduler.batchers[m].preemptions for m in hybrids) else ())
     host = core.scheduler.memory.host
     seen.update({"host_kv_eviction"} if host is not None and host.stats().evictions else ())
     tally.mechanisms["tp1"].update(seen)
@@ -418,7 +467,11 @@ class GroupWatch:
 async def tp2_block(block: int, indices: range, files: list[ModelFiles], oracle: Oracle, tally: Tally,
                     arenas: Arenas, profile: Path, deadline_s: float, log) -> None:
     rng = random.Random(f"{tally.seed}/tp2-block/{block}")
-    chosen = rng.sample(files, rng.choice((2, 3)))
+    # every group serves a hybrid (the two take turns, block by block) and a synthetic model, sometimes a third
+    hybrids = [f for f in files if f.name in hybrid_names(files)]
+    chosen = [hybrids[block % len(hybrids)], rng.choice([f for f in files if f not in hybrids])]
+    chosen += rng.sample([f for f in files if f not in chosen], rng.choice((0, 1)))
+    rng.shuffle(chosen)
     config = draw_instance(rng, chosen, 2, MAX_SEQUENCE, arenas, profile)
     tally.instance = describe(config)
     log(f"tp2 block {block}: {tally.instance}")
@@ -484,7 +537,7 @@ async def tp2_trial(index: int, group: EngineGroup, names: list[str], oracle: Or
         if final is None:
             found.add("cancel")
             return None
-        usages.append(final.usage)
+        usages.append((s.model, final.usage))
         return got
 
     async def session(s: Session) -> None:
@@ -516,7 +569,7 @@ async def tp2_trial(index: int, group: EngineGroup, names: list[str], oracle: Or
     await asyncio.gather(*(session(s) for s in sessions))
     done.set()
     await switches
-    found |= mechanisms(watch.events, usages)
+    found |= mechanisms(watch.events, usages, hybrid_names(group.models))
     found.update({"preemption"} if group.stats and group.stats.preemptions > preempted else ())
     tally.mechanisms["tp2"].update(found)
 
@@ -524,10 +577,15 @@ async def tp2_trial(index: int, group: EngineGroup, names: list[str], oracle: Or
 # ---- kill: a real `talaria up`, its workers SIGKILLed -----------------------------------------
 
 def kill_config(files: dict[str, ModelFiles], arenas: Arenas, profile: Path) -> str:
-    """hot-0 (TP=1) and cold-0 (TP=2, two models): pages of 8 tokens, 96 per model and 8 host slabs,
-    so concurrent long calls preempt each other; poison on, one torch thread per worker."""
+    """hot-0 (TP=1, a hybrid) and cold-0 (TP=2, two synthetic models and a hybrid): pages of 8 tokens,
+    96 per model and 8 host slabs, so concurrent long calls preempt each other; poison on, one torch
+    thread per worker. The synthetic models are declared by shape, the hybrids by their directory."""
     models = ""
-    for name in files:
+    for name in (m for served in KILL_INSTANCES.values() for m in served):
+        if name in hybrid_names(files.values()):
+            models += f'[[models]]\nname = "{name}"\nsource = {json.dumps(str(files[name].directory))}\n' \
+                      'dtype = "float64"\n\n'
+            continue
         shape = SHAPES[name.removeprefix("tiny-")]
         fields = "".join(f"{k} = {json.dumps(v)}\n" for k, v in vars_of(shape).items() if v is not None)
         models += f'[[models]]\nname = "{name}"\nsource = "synthetic:"\ndtype = "float64"\nseed = 0\n\n' \
@@ -715,6 +773,8 @@ async def kill_trial(index: int, fleet: Fleet, client: httpx.AsyncClient, oracle
     found = {f"kill {victim} rank {rank}"}
     found.update({"call failed by the kill"} if any(r.code == "instance_failed" for _, _, r in replies) else ())
     found.update({"admin switch at the kill"} if any("instance" in b for b, _, _ in replies) else ())
+    found.update({"hybrid call at the kill"} if any(on_victim and "prompt" in b and b["model"] in oracle.hybrids
+                                                    for b, on_victim, _ in replies) else ())
     tally.mechanisms["kill"].update(found)
     if restarted is None:
         tally.hang("kill", index, f"{victim} not healthy again {3 * deadline_s:.0f} s after its rank {rank} was "
@@ -792,7 +852,10 @@ def result(tally: Tally, counts: dict, args, log, load_start: float) -> dict:
         "tp2_forced_switches_stopped_at": None if tally.switch_hang_at == float("inf") else tally.switch_hang_at,
         "config": {"seed": args.seed, "planned": counts, "first": args.first, "deadline_s": args.deadline_s,
                    "tp2_block": TP2_BLOCK, "dtype": "float64", "shapes": {k: vars_of(s) for k, s in SHAPES.items()},
-                   "checks": "token ids against ReferenceLlama.greedy (tp1, tp2); text and token count (kill)",
+                   "hybrids": {f"tiny-{family}": hybrid_models.TINY | {"max_position_embeddings": HYBRID_POSITIONS}
+                               for family in hybrid_models.FAMILIES},
+                   "checks": "token ids (tp1, tp2), text and token count (kill), against ReferenceLlama.greedy "
+                             "(synthetic families) or transformers' float64 generate (hybrids)",
                    "kill_config": tally.kill_config},
         **environment(log, load_start),
     }
@@ -823,7 +886,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         files = [tiny_files(family, None) for family in SHAPES]  # into ~/.cache/talaria, as `talaria up` does
-        oracle, arenas = Oracle(files), Arenas()
+        hybrids = build_hybrids(workdir / "models")
+        files += [f for f, _ in hybrids.values()]
+        oracle, arenas = Oracle(files, {name: model for name, (_, model) in hybrids.items()}), Arenas()
         log(f"calibrating a cost profile once for {', '.join(f.name for f in files)}; plan {counts}; "
             f"seed {args.seed}; load average {load_start:.2f}")
         profile = workdir / "profile.toml"
