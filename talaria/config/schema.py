@@ -178,6 +178,10 @@ class InstanceConfig:
     page_size: int = 16  # tokens per KV page
     max_batch_tokens: int = 512  # tokens per engine step; longer prompts prefill in chunks
     max_running: int = 64  # sequences decoding at once
+    # models with per-sequence state (Gated DeltaNet): a prompt chunk ends, and a state snapshot is
+    # taken, at least every this many tokens; 0 = the spacing at which those extra prefill steps cost
+    # 5 % of the prefill by the cost profile (docs/models.md)
+    snapshot_every_tokens: int = 0
     threads: int = 0  # torch threads per worker process; 0 = the machine's cores shared by all workers
     host_kv_bytes: int = 256 << 20  # per rank: host KV registry (HKVR) slabs; 0 turns HKVR off
     staging_chunk_bytes: int = 1 << 20  # next model's weights staged in KV-pool tails in chunks; 0 = off

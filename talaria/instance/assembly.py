@@ -11,12 +11,13 @@ The first model is open when this returns, as every caller opens it before anyth
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from talaria.config.schema import Ablation, InstanceConfig, Pool
 from talaria.contracts.kv_layout import KVLayout
-from talaria.contracts.profile import Profile
+from talaria.contracts.profile import ModelProfile, Profile
 from talaria.contracts.step_plan import SwitchPlan
 from talaria.instance.batcher import Batcher
 from talaria.instance.cost_model import EWMA_ALPHA, CostModel
@@ -54,6 +55,21 @@ def new_stager(config: InstanceConfig, models: int) -> Stager | None:
     return Stager(config.staging_chunk_bytes, ALIGN)
 
 
+SNAPSHOT_OVERHEAD = 0.05  # the prefill time that snapshots inside long prompts may add (their extra steps)
+
+
+def snapshot_spacing(config: InstanceConfig, layout: KVLayout, priced: ModelProfile | None) -> int:
+    """Tokens between the state snapshots a stateful model's long prompts take (their chunks end
+    there), a multiple of the page size: `snapshot_every_tokens`, or by default the spacing at which
+    one more prefill step (its fixed cost) per spacing adds SNAPSHOT_OVERHEAD of the tokens' own
+    prefill time by the cost profile; 0 (where chunks end anyway) when neither gives one."""
+    ps = config.page_size
+    every = config.snapshot_every_tokens
+    if not every and priced is not None and priced.prefill.per_token_s > 0:
+        every = math.ceil(priced.prefill.base_s / (SNAPSHOT_OVERHEAD * priced.prefill.per_token_s))
+    return -(-every // ps) * ps if every else 0
+
+
 def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[ServedModel], profile: Profile,
              copies: CopyEvents, clock: Callable[[], float], *, learn: bool = True, version_base: int = 0,
              rounds: RoundConfig | None = None) -> Scheduler:
@@ -75,8 +91,9 @@ def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[Served
     for m in models:
         plan = layout.plan(m.name)
         pages = PageManager(plan.num_pages, ps, layout=m.layout, state_slots=plan.num_state_slots)
+        every = snapshot_spacing(config, m.layout, profile.models.get(m.name)) if m.layout.stateful else 0
         batchers[m.name] = Batcher(m.name, pages, config.max_batch_tokens, config.max_running, m.max_context,
-                                   m.eos_token_ids, host)
+                                   m.eos_token_ids, host, every)
     costs = CostModel(profile, ps, alpha=EWMA_ALPHA if learn else 0.0)
     build_rounds = None
     if config.pool is Pool.COLD or len(models) > 1:

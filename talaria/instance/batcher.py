@@ -40,8 +40,12 @@ OUTPUTS_KEPT = 1024  # finished calls whose output lengths predict the next ones
 
 class Batcher:
     def __init__(self, model: str, pages: PageManager | None, max_batch_tokens: int, max_running: int,
-                 max_context: int, eos_token_ids: tuple[int, ...], host: HostKVRegistry | None = None) -> None:
+                 max_context: int, eos_token_ids: tuple[int, ...], host: HostKVRegistry | None = None,
+                 snapshot_every: int = 0) -> None:
+        """`snapshot_every`: a stateful cache's prompt chunks end (and publish a snapshot) at least at
+        every multiple of this many tokens, a multiple of the page size (0: only where they end anyway)."""
         self.model = model
+        self.snapshot_every = snapshot_every
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.model_context = max_context
@@ -177,11 +181,14 @@ class Batcher:
     def chunk_tokens(self, seq: Sequence, start: int, n: int) -> int:
         """How many of the `n` tokens of `seq` from `start` one prompt chunk computes: all of them, or
         with a stateful cache, those up to the last page boundary among them that lies before the
-        sequence's newest token (a state snapshot is taken there), unless they hold none."""
+        sequence's newest token and not past the next multiple of `snapshot_every` (a state snapshot
+        is taken there), unless they hold none."""
         if not self.pages.stateful:
             return n
-        ps = self.pages.page_size
-        boundary = min(start + n, len(seq.token_ids) - 1) // ps * ps
+        ps, end = self.pages.page_size, min(start + n, len(seq.token_ids) - 1)
+        if self.snapshot_every:
+            end = min(end, (start // self.snapshot_every + 1) * self.snapshot_every)
+        boundary = end // ps * ps
         return boundary - start if boundary > start else n
 
     def reusable(self, seq: Sequence) -> tuple[int, int, int]:

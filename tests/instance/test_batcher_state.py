@@ -275,3 +275,28 @@ def test_memory_ops_carry_the_state_ops_and_a_switch_takes_pending_snapshots_bef
     assert switch.ops.state_copies == ((0, 2),)  # taken before the save that reads it
     assert switch.ops.saves[0].states == ((2, 0),) and switch.ops.saves[0].copies == ((0, 0), (1, 1))
     assert memory.ops(b).state_copies == ()
+
+
+def test_long_prompts_publish_snapshots_at_the_configured_spacing_for_branching_calls():
+    b = Batcher("m", pool(), 32, 2, 256, (EOS,), None, snapshot_every=8)
+    a = seq(0, list(range(10, 30)))  # 20 tokens: chunks end at 8 and 16 (not only at 16, the last boundary)
+    b.add(a)
+    assert [spans(step(b, [a])[0]) for _ in range(3)] == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 4)]]
+    branch = seq(1, a.token_ids[:12] + [90, 91, 92])  # shares 12 tokens: resumes at the snapshot at 8
+    b.add(branch)
+    chunks, _ = step(b, [a, branch])
+    assert branch.num_cached == 8 and (1, 8, 4) in spans(chunks)  # to 12, its last boundary: a snapshot too
+
+
+def test_the_default_snapshot_spacing_costs_five_percent_of_the_prefill_by_the_profile():
+    from talaria.config.schema import InstanceConfig, Pool
+    from talaria.contracts.profile import DecodeCurve, ModelProfile, PrefillCurve
+    from talaria.instance.assembly import snapshot_spacing
+
+    priced = ModelProfile("m", 1, 64, PrefillCurve(2.775e-3, 4.0e-5), DecodeCurve(1e-3, 1e-4), {}, state_bytes=1)
+    config = InstanceConfig(name="c", pool=Pool.COLD, models=("m",), page_size=16)
+    # one more step's 2.775 ms per 1,388 tokens of 40 us: 5 %, rounded up to whole pages
+    assert snapshot_spacing(config, LAYOUT, priced) == 1392
+    assert snapshot_spacing(InstanceConfig(name="c", pool=Pool.COLD, models=("m",), page_size=16,
+                                           snapshot_every_tokens=1000),
+                            LAYOUT, priced) == 1008
