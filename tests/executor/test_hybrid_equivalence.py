@@ -10,7 +10,6 @@ snapshot was published, so the position is the last page boundary its previous c
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
@@ -30,7 +29,7 @@ from talaria.contracts.profile import (
 from talaria.contracts.profile_file import save_profile
 from talaria.contracts.vocabulary import SwitchPath
 from talaria.models.source import ModelFiles, prepare_model
-from talaria.node.engine_group import EngineGroup
+from tests.executor.group_turns import group_turns
 from tests.executor.test_moe_equivalence import Reference, hf_greedy
 from tests.hybrid_models import TINY, build, save
 from tests.tiny_models import GREEDY, arena_for_pages, engine, instance, run, tokens
@@ -165,27 +164,9 @@ def test_tp2_group_switches_and_restores_equal_transformers(refs, profile_for):
     """Two workers over gloo: DeltaNet heads, their conv channels and state split by rank; both
     models time-share the group, the second turn restored from host."""
     files = [r.files for r in refs.values()]
-
-    async def scenario():
-        group = EngineGroup(instance(files, tp=2, profile=profile_for(files, 2), **SUBSTRATE), files, threads=1)
-        await group.start()
-        try:
-            async def call(f, rid, prompt):
-                outs = [o async for o in group.generate(InstanceCall(rid, f.name, tuple(prompt), GREEDY))]
-                return prompt, [t for o in outs for t in o.token_ids], outs[-1].usage
-            results = {}
-            for f in files:
-                await group.switch(f.name, 60)
-                results[f.name, 1], results[f.name, 0] = await asyncio.gather(
-                    call(f, f"{f.name}-1", PROMPTS[f.name]), call(f, f"{f.name}-x", LONG[:70]))
-            for f in files:
-                await group.switch(f.name, 60)
-                results[f.name, 2] = await call(f, f"{f.name}-2", PROMPTS[f.name] + results[f.name, 1][1] + TAIL)
-            return results
-        finally:
-            await group.stop()
-
-    for (name, turn), (prompt, toks, usage) in asyncio.run(scenario()).items():
+    config = instance(files, tp=2, profile=profile_for(files, 2), **SUBSTRATE)
+    results = group_turns(config, files, PROMPTS, {name: LONG[:70] for name in refs}, TAIL)
+    for (name, turn), (prompt, toks, usage) in results.items():
         assert toks == refs[name].greedy(prompt), f"{name} turn {turn} tp=2"
         if turn == 2:
             assert usage.restored_tokens == snapshot_at(PROMPTS[name]), f"{name}: not restored from host"

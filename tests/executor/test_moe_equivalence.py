@@ -11,7 +11,6 @@ writes (one tensor per expert by default; transformers 5's fused `experts.gate_u
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -38,7 +37,7 @@ from talaria.contracts.vocabulary import SwitchPath
 from talaria.models.errors import ModelSourceError
 from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.synthetic import byte_tokenizer
-from talaria.node.engine_group import EngineGroup
+from tests.executor.group_turns import group_turns
 from tests.executor.reference import ReferenceLlama
 from tests.tiny_models import GREEDY, engine, instance, run, tiny_files, tokens
 
@@ -222,27 +221,9 @@ def test_tp_group_switches_and_restores_equal_transformers(refs, profile_for, tp
     """An engine group over gloo: MoE models and a dense one time-share the group; turn 1 of each
     session in a batch with a second call, turn 2 after every other model had the arena."""
     files = [refs[name].files for name in TP_GROUPS[tp]]
-
-    async def scenario():
-        group = EngineGroup(instance(files, tp=tp, profile=profile_for(files, tp), **SUBSTRATE), files, threads=1)
-        await group.start()
-        try:
-            async def call(f, rid, prompt):
-                outs = [o async for o in group.generate(InstanceCall(rid, f.name, tuple(prompt), GREEDY))]
-                return prompt, [t for o in outs for t in o.token_ids], outs[-1].usage
-            results = {}
-            for f in files:
-                await group.switch(f.name, 60)
-                results[f.name, 1], results[f.name, 0] = await asyncio.gather(
-                    call(f, f"{f.name}-1", PROMPTS[f.name]), call(f, f"{f.name}-x", EXTRA[f.name]))
-            for f in files:
-                await group.switch(f.name, 60)
-                results[f.name, 2] = await call(f, f"{f.name}-2", PROMPTS[f.name] + results[f.name, 1][1] + TAIL)
-            return results
-        finally:
-            await group.stop()
-
-    for (name, turn), (prompt, toks, usage) in asyncio.run(scenario()).items():
+    config = instance(files, tp=tp, profile=profile_for(files, tp), **SUBSTRATE)
+    results = group_turns(config, files, PROMPTS, EXTRA, TAIL)
+    for (name, turn), (prompt, toks, usage) in results.items():
         assert toks == refs[name].greedy(prompt), f"{name} turn {turn} tp={tp}"
         if turn == 2:
             assert usage.restored_tokens == (len(prompt) - len(TAIL) - 1) // 4 * 4, f"{name}: not restored from host"
