@@ -193,7 +193,16 @@ def deltanet_mixer(h: torch.Tensor, lw, shard: Shard, segs: list[Segment], conv_
     g = -lw.la_A_log.float().exp() * F.softplus(F.linear(h, lw.la_a).float() + lw.la_dt_bias)  # (T, Hv)
     past_len = conv_state.shape[-1]
     conv = torch.empty_like(mixed)
-    for s in segs:  # the convolution reads each sequence's own past inputs and keeps its last ones
+    steps = [s for s in segs if s.n == 1 and s.resumed]  # decode: the recurrence, all sequences at once
+    rows = torch.tensor([s.row for s in steps], device=h.device)
+    slots = torch.tensor([s.slot for s in steps], device=h.device)
+    if steps:  # one token each: their past inputs and it, through the convolution at once
+        full = torch.cat((conv_state[slots], mixed[:, rows].t()[..., None]), dim=-1)  # (B, C, K)
+        conv[:, rows] = F.silu(F.conv1d(full, lw.la_conv, groups=full.shape[1]))[..., 0].t()
+        conv_state[slots] = full[..., 1:]
+    for s in segs:  # prompt chunks: each sequence's own past inputs, and it keeps its last ones
+        if s.n == 1 and s.resumed:
+            continue
         x = mixed[:, s.row:s.row + s.n]
         past = conv_state[s.slot]
         conv[:, s.row:s.row + s.n] = _conv(x, past, lw.la_conv)
@@ -204,10 +213,7 @@ def deltanet_mixer(h: torch.Tensor, lw, shard: Shard, segs: list[Segment], conv_
     k = _l2norm(k.reshape(T, kh, kd).float()).repeat_interleave(rep, dim=1)
     v, beta, g = v.reshape(T, vh, vd).float(), beta.float(), g.float()
     o = torch.empty(T, vh, vd, dtype=torch.float32, device=h.device)
-    steps = [s for s in segs if s.n == 1 and s.resumed]  # decode: the recurrence, all sequences at once
     if steps:
-        rows = torch.tensor([s.row for s in steps], device=h.device)
-        slots = torch.tensor([s.slot for s in steps], device=h.device)
         state = ssm_state[slots]  # (B, Hv, dk, dv), a copy
         # scaled as the reference scales each path (a division here, a product below): the same bits
         o[rows] = recurrent_step(q[rows] / kd ** 0.5, k[rows], v[rows], g[rows], beta[rows], state)
