@@ -1,6 +1,6 @@
 """Talaria's engine against Hugging Face ``generate`` on the same weights, in one process and one run.
 
-    python bench/engine.py [--json PATH] [--runs N] [--threads T] [--decode-tokens N]
+    python bench/engine.py [--json PATH] [--runs N] [--threads T] [--decode-tokens N] [--only deltanet]
 
 SmolLM2-135M-Instruct in float32 on the CPU, a real chat-templated prompt; concurrent requests are
 independent: request i's prompt differs from the others in its second token (`distinct`), so they
@@ -22,7 +22,12 @@ Per run it measures:
   fp32 near-ties fall either way (with the shared part off, Talaria's tokens are the same as with it);
 * the MoE row: decode tokens/s at 1 and 8 concurrent, the same way, on a synthetic Qwen3-MoE model
   (16 experts, top-2, hidden 512, 8 layers, float32; docs/moe.md) against ``generate`` with
-  transformers' default experts implementation (``moe_*`` keys).
+  transformers' default experts implementation (``moe_*`` keys);
+* the DeltaNet row (bench/deltanet_prefill.py): one Gated DeltaNet layer at Qwen3.5-122B-A10B's dims
+  prefilling an 8,192-token prompt from a zero state, chunked against the token-by-token recurrence,
+  timed in float32 (``deltanet_*`` keys); once per invocation, both forms on the same workload in
+  float64 must agree to 1e-10 (outputs and final state), else the script exits 1. ``--only
+  deltanet`` runs this row alone.
 
 Machines are noisy, so engines are compared by ratios measured within a run, and the median over
 ``--runs`` runs is reported; the absolute numbers are for the record. Every Talaria measurement gets
@@ -43,6 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import deltanet_prefill  # bench/deltanet_prefill.py, beside this script
 import torch
 import transformers
 from report import (  # bench/report.py, beside this script
@@ -82,7 +88,7 @@ TAIL_TOKENS = 64
 MIN_CACHED_ON_HIT = 2000
 AGREE_TOKENS = 16  # greedy outputs of both engines should match this far (fp32 near-ties may not)
 TARGETS = {"ratio_decode_1": 1.0, "ratio_decode_8": 1.5, "prefix_hit_ttft_speedup": 10.0,
-           "moe_ratio_decode_8": 1.5}
+           "moe_ratio_decode_8": 1.5, "deltanet_prefill_speedup": 5.0}
 SHARED_REQUESTS = 8  # requests sharing the prefix, each with its own tail
 SHARED_DECODE_TOKENS = 32
 
@@ -332,22 +338,51 @@ def table(m: dict) -> str:
     return render(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, default=Path("bench/results/engine.json"), help="where to write results")
-    ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both engines")
-    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per request")
-    args = ap.parse_args(argv)
-    if args.runs < 3:
-        ap.error("--runs must be at least 3: the report is a median")
-    if args.decode_tokens < AGREE_TOKENS:
-        ap.error(f"--decode-tokens must be at least {AGREE_TOKENS}")
+def deltanet_table(m: dict) -> str:
+    return render([("DeltaNet layer", "chunked", "recurrence", "ratio"),
+                   (f"prefill s, {deltanet_prefill.PROMPT_TOKENS} tokens, fp32", f"{m['deltanet_chunked_s']:.2f}",
+                    f"{m['deltanet_recurrent_s']:.2f}", f"{m['deltanet_prefill_speedup']:.2f}"),
+                   (f"fp64 max |diff|, {m['deltanet_float64_tokens']} tokens", "-", "-",
+                    f"{m['deltanet_float64_max_diff']:.1e}")])
 
-    log = ProgressLog()
-    torch.set_num_threads(args.threads)
-    load_start = os.getloadavg()[0]
-    log(f"preparing {MODEL.source} (float32), {args.threads} threads, load average {load_start:.2f}")
+
+@dataclass(frozen=True, slots=True)
+class Models:
+    """The SmolLM2 and MoE rows' weights, engines and prompts, loaded once for every run."""
+
+    files: ModelFiles
+    hf: object  # transformers model
+    prompt: list[int]
+    prefix: list[int]
+    tails: list[list[int]]
+    moe_files: ModelFiles
+    moe_hf: object
+    moe_prompt: list[int]
+
+    def run(self, n: int, log) -> dict:
+        return (one_run(self.files, self.hf, self.prompt, self.prefix, self.tails, n, log)
+                | moe_run(self.moe_files, self.moe_hf, self.moe_prompt, n, log))
+
+    def report(self, runs: list[dict], args) -> dict:
+        """What the JSON holds about these rows besides the medians; warns of short agreement."""
+        agree = {f"{p}{c}": min(run[f"{p}greedy_agree_{c}"] for run in runs) for p in ("", "moe_")
+                 for c in CONCURRENCY}
+        for c, k in agree.items():
+            if k < AGREE_TOKENS:
+                print(f"warning: {c.replace('moe_', 'MoE ')} concurrent: greedy outputs agree on only the first {k} "
+                      f"tokens (expected {AGREE_TOKENS}; fp32 near-ties can flip a token)", file=sys.stderr)
+        return {"greedy_agree_tokens": agree,
+                "talaria_cached_tokens_8": runs[0]["talaria_cached_tokens_8"],  # same-prompt requests share pages
+                "config": {"model": MODEL.source, "dtype": MODEL.dtype, "instance": dataclasses.asdict(INSTANCE),
+                           "decode_tokens": args.decode_tokens, "prompt_tokens": len(self.prompt),
+                           "prefix_tokens": len(self.prefix), "tail_tokens": len(self.tails[0]),
+                           "moe_model": dataclasses.asdict(MOE_MODEL), "moe_prompt_tokens": len(self.moe_prompt),
+                           "moe_hf_experts_implementation": self.moe_hf.config._experts_implementation}}
+
+
+def prepare(log) -> Models:
+    """Both models converted, loaded in both engines and warmed up."""
+    log(f"preparing {MODEL.source} (float32)")
     files = prepare_model(MODEL, None)
     tok = AutoTokenizer.from_pretrained(files.directory)
     hf = AutoModelForCausalLM.from_pretrained(files.directory, dtype=torch.float32,
@@ -366,40 +401,70 @@ def main(argv: list[str] | None = None) -> int:
     hf_generate(hf, warm, 4)
     serve(fresh_core(moe_files, MOE_INSTANCE), moe_warm, 4, MOE_MODEL.name)
     hf_generate(moe_hf, moe_warm, 4)
+    return Models(files, hf, prompt, prefix, tails, moe_files, moe_hf, moe_prompt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, default=Path("bench/results/engine.json"), help="where to write results")
+    ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both engines")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--only", choices=("deltanet",), help="run this row alone")
+    args = ap.parse_args(argv)
+    if args.runs < 3:
+        ap.error("--runs must be at least 3: the report is a median")
+    if args.decode_tokens < AGREE_TOKENS:
+        ap.error(f"--decode-tokens must be at least {AGREE_TOKENS}")
+
+    log = ProgressLog()
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
+    log(f"{args.threads} threads, load average {load_start:.2f}")
+    models = None if args.only else prepare(log)
+    log("deltanet: warming up both forms")
+    deltanet_prefill.warm_up()
+    workload = deltanet_prefill.workload().to(torch.float32)
 
     runs = []
     for r in range(args.runs):
         log(f"run {r + 1}/{args.runs}")
-        runs.append(one_run(files, hf, prompt, prefix, tails, args.decode_tokens, log)
-                    | moe_run(moe_files, moe_hf, moe_prompt, args.decode_tokens, log))
-    agree = {f"{p}{c}": min(run[f"{p}greedy_agree_{c}"] for run in runs) for p in ("", "moe_") for c in CONCURRENCY}
-    for c, k in agree.items():
-        if k < AGREE_TOKENS:
-            print(f"warning: {c.replace('moe_', 'MoE ')} concurrent: greedy outputs agree on only the first {k} "
-                  f"tokens (expected {AGREE_TOKENS}; fp32 near-ties can flip a token)", file=sys.stderr)
+        runs.append((models.run(args.decode_tokens, log) if models else {})
+                    | deltanet_prefill.speed_run(workload, log))
+    del workload
+    check = deltanet_prefill.agreement(log)  # once: the same workload, in float64
 
     scalar = [k for k, v in runs[0].items() if isinstance(v, float)]
     medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
+    about_models = models.report(runs, args) if models else {"config": {}}
     result = {
         **medians,
-        "greedy_agree_tokens": agree,
-        "talaria_cached_tokens_8": runs[0]["talaria_cached_tokens_8"],  # same-prompt requests share pages
+        **check,
+        **{k: v for k, v in about_models.items() if k != "config"},
         "targets": TARGETS,
         "runs": runs,
-        "config": {"model": MODEL.source, "dtype": MODEL.dtype, "instance": dataclasses.asdict(INSTANCE),
-                   "threads": args.threads, "runs": args.runs, "decode_tokens": args.decode_tokens,
-                   "prompt_tokens": len(prompt), "prefix_tokens": len(prefix), "tail_tokens": len(tails[0]),
-                   "moe_model": dataclasses.asdict(MOE_MODEL), "moe_prompt_tokens": len(moe_prompt),
-                   "moe_hf_experts_implementation": moe_hf.config._experts_implementation},
+        "config": {**about_models["config"], "threads": args.threads, "runs": args.runs, "only": args.only,
+                   "deltanet": deltanet_prefill.config()},
         "threads": args.threads,
         "transformers_version": transformers.__version__,
         **environment(log, load_start),
     }
-    print(table(medians))
-    print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "
-          "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit; MoE: 16 experts, top-2, hidden 512, "
-          "8 layers, fp32)")
+    if models:
+        print(table(medians))
+        print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "
+              "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit; MoE: 16 experts, top-2, hidden 512, "
+              "8 layers, fp32)\n")
+    print(deltanet_table(medians | check))
+    print(f"(one Gated DeltaNet layer, {deltanet_prefill.KEY_HEADS} key / {deltanet_prefill.VALUE_HEADS} value heads "
+          f"of {deltanet_prefill.HEAD_DIM} (Qwen3.5-122B-A10B), zero initial state; medians of {args.runs} runs, "
+          "ratio = recurrence / chunked time, target >= 5; fp64: outputs, final state "
+          f"{check['deltanet_float64_state_max_diff']:.1e}, tolerance {deltanet_prefill.TOLERANCE:.0e})")
     write_json(args.json, result, log)
+    worst = max(check["deltanet_float64_max_diff"], check["deltanet_float64_state_max_diff"])
+    if worst > deltanet_prefill.TOLERANCE:
+        print(f"error: the chunked DeltaNet prefill differs from the recurrence by {worst:.2e} in float64 "
+              f"(allowed {deltanet_prefill.TOLERANCE:.0e})", file=sys.stderr)
+        return 1
     return 0
 
 

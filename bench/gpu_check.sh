@@ -12,6 +12,9 @@
 #                      a junit XML and the pytest log each; one GPU, so TP > 1 cases are left out
 #   layer-floor        bench/layer_floor.py: bf16 8B-dense and 30B-A3B-MoE layers, prefill and
 #                      decode per layer against the HBM-bandwidth floor
+#   deltanet           bench/deltanet_prefill.py: one Qwen3.5-122B-A10B Gated DeltaNet layer's
+#                      8,192-token prefill, chunked against the recurrence (target 5x), and their
+#                      float64 agreement
 #   switch             bench/switch.py --device cuda: staged and H2D switches, HKVR restores
 #   profile-*          `talaria profile` on each layer shape: profiles/<machine>-<shape>-layers.toml
 # and summary.json: every step's status, exit code and seconds. The exit code is 1 if any step
@@ -35,21 +38,21 @@ STEPS="$OUT/steps.tsv"
 printf 'step\tstatus\texit_code\tseconds\tbudget_s\n' > "$STEPS"
 
 if [ $DRY -eq 1 ]; then
-  DEVICE=cpu; TINY=--tiny; QUICK=--quick; REPEATS="--repeats 2"
+  DEVICE=cpu; TINY=--tiny; QUICK=--quick; REPEATS="--repeats 2"; DELTANET="--tokens 200 --runs 1 --no-gate"
   # a fast subset: one family through batching and prefix reuse, the host KV copy paths
   SELECT="(batched_prompts and llama) or substrate_copies"
   SELECT32="batched_prompts and llama"
-  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=60 BUDGET_SWITCH=60 BUDGET_PROFILE=60
+  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=60 BUDGET_DELTANET=60 BUDGET_SWITCH=60 BUDGET_PROFILE=60
 else
-  DEVICE=cuda; TINY=; QUICK=; REPEATS=
+  DEVICE=cuda; TINY=; QUICK=; REPEATS=; DELTANET=
   SELECT="not tp2 and not tp4 and not tp_group"  # one GPU: a TP group of n ranks needs n GPUs
   SELECT32=$SELECT
-  # 440 s with the machine step, and at most 5 s more per step to stop one that overran: < 8 minutes
-  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=50 BUDGET_SWITCH=60 BUDGET_PROFILE=65
+  # 435 s with the machine step, and at most 5 s more per step to stop one that overran: < 8 minutes
+  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=50 BUDGET_DELTANET=25 BUDGET_SWITCH=50 BUDGET_PROFILE=55
 fi
 EQ64="tests/executor/test_engine_equivalence.py tests/executor/test_substrate_equivalence.py
       tests/executor/test_substrate_faults.py tests/executor/test_substrate_copies.py tests/executor/test_sampler.py
-      tests/executor/test_moe_equivalence.py"
+      tests/executor/test_moe_equivalence.py tests/executor/test_hybrid_equivalence.py tests/executor/test_deltanet.py"
 EQ32="tests/executor/test_engine_equivalence.py tests/executor/test_moe_equivalence.py"
 SHAPES="8b-dense 30b-a3b-moe"
 
@@ -106,6 +109,9 @@ done
 
 step layer-floor "$BUDGET_LAYERS" "$PY" bench/layer_floor.py --device "$DEVICE" $TINY $REPEATS \
   --json "$OUT/layer_floor.json"
+# shellcheck disable=SC2086  # the options split on purpose
+step deltanet "$BUDGET_DELTANET" "$PY" bench/deltanet_prefill.py --device "$DEVICE" $DELTANET \
+  --json "$OUT/deltanet.json"
 step switch "$BUDGET_SWITCH" "$PY" bench/switch.py --device "$DEVICE" $TINY --json "$OUT/switch.json"
 
 for shape in $SHAPES; do

@@ -14,7 +14,7 @@ from talaria.config.loader import load_config
 from talaria.contracts.profile_file import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["machine", "equivalence-float64", "equivalence-float32", "layer-floor", "switch",
+STEPS = ["machine", "equivalence-float64", "equivalence-float32", "layer-floor", "deltanet", "switch",
          "profile-8b-dense", "profile-30b-a3b-moe"]
 SHAPES = ["8b-dense", "30b-a3b-moe"]
 
