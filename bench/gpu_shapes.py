@@ -43,6 +43,32 @@ TINY = {
 }
 DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
 
+# Layer sets of hybrid models, measured by bench/layer_floor.py only (a hybrid is not a synthetic
+# family, so `talaria profile` does not take them): ModelArch fields. Qwen3.5-122B-A10B's: hidden
+# 3072, gated attention of 32 heads of 256 (2 KV heads, a quarter rotated), Gated DeltaNet of 16
+# key / 64 value heads of 128, 256 experts of width 1024 top-8 and a shared expert of 1024 — from
+# public descriptions of the checkpoint (its config.json could not be read here; the expert width is
+# what 122B parameters over 48 such layers implies); 3 DeltaNet layers and 1 attention layer.
+_QWEN35 = {"family": "qwen3_5_moe", "layer_types": ("linear_attention",) * 3 + ("full_attention",),
+           "partial_rotary_factor": 0.25, "attn_output_gate": True, "norm_offset": 1.0, "qk_norm": True,
+           "norm_topk_prob": True, "linear_conv_kernel_dim": 4, "num_layers": 4}
+HYBRID = {"qwen3.5-122b-layers": _QWEN35 | {
+    "vocab_size": PROFILE_VOCAB, "hidden_size": 3072, "intermediate_size": 0, "num_heads": 32, "num_kv_heads": 2,
+    "head_dim": 256, "max_position": 8192, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128}}
+TINY_HYBRID = {"qwen3.5-122b-layers": _QWEN35 | {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 0, "num_heads": 4, "num_kv_heads": 2,
+    "head_dim": 16, "max_position": 512, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 24, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8}}
+
+
+def hybrid_arch(name: str, tiny: bool):
+    """The ModelArch of hybrid layer set `name` (bench/layer_floor.py)."""
+    from talaria.contracts.arch import ModelArch
+    return ModelArch(**(TINY_HYBRID if tiny else HYBRID)[name])
+
 
 def shape(name: str, tiny: bool) -> SyntheticShape:
     table = TINY if tiny else SHAPES

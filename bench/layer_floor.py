@@ -1,4 +1,4 @@
-"""Per-layer prefill and decode time of 8B-dense and 30B-A3B-MoE layer shapes, against the HBM floor.
+"""Per-layer prefill and decode time of 8B-dense, 30B-A3B-MoE and Qwen3.5-122B-A10B layer sets, against the HBM floor.
 
     python bench/layer_floor.py [--device cuda|cpu] [--dtype D] [--tiny] [--shapes a,b]
                                 [--repeats N] [--json PATH]
@@ -19,6 +19,10 @@ or writes (prefill). A ratio of 1.0 is a layer that streams its bytes once at co
 should come near it, prefill is compute-bound and lies far above. Timings are of the forward alone
 (the step's attention metadata is built before), the median of --repeats runs, divided by the
 layers; the forward's embedding and final norm are in them and are negligible.
+
+The Qwen3.5 set (bench/gpu_shapes.py HYBRID) is 3 Gated DeltaNet layers and 1 gated attention
+layer: a DeltaNet layer's bytes are its weights and each sequence's state, read and written once a
+step (decode and prefill alike); the attention layer's are as above.
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_shapes import SHAPES, shape  # bench/gpu_shapes.py, beside this script
+from gpu_shapes import (  # bench/gpu_shapes.py, beside this script
+    HYBRID,
+    SHAPES,
+    hybrid_arch,
+    shape,
+)
 from report import ProgressLog, environment, render, write_json  # bench/report.py
 
 from talaria.contracts.arch import ModelArch
@@ -40,6 +49,7 @@ from talaria.contracts.kv_layout import kv_layout
 from talaria.contracts.step_plan import SeqChunk, StepPlan
 from talaria.executor import moe
 from talaria.executor.attention import AttentionMeta
+from talaria.executor.deltanet import deltanet_shapes, segments
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.llama import LlamaModel
 from talaria.executor.parallel import Shard, TPGroup
@@ -89,20 +99,31 @@ def build(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaMod
         return torch.ones(n, device=device, dtype=dtype)
 
     h, hd = arch.hidden_size, arch.head_dim
+    q = arch.q_size * (2 if arch.attn_output_gate else 1)  # each head's query, then its output gate
+    shard = Shard(0, 1, arch)
     layers = []
     for i in range(arch.num_layers):
-        lw = LayerWeights(input_norm=norm(h), qkv=lin(arch.q_size + 2 * arch.kv_size, h), qkv_bias=None,
-                          q_norm=norm(hd) if arch.qk_norm else None, k_norm=norm(hd) if arch.qk_norm else None,
-                          o_proj=lin(h, arch.q_size), post_norm=norm(h))
+        if arch.is_linear_layer(i):  # Gated DeltaNet: projections, conv; A = 1, dt_bias 0, norm 1
+            qkv, z, b, a, conv, dt, a_log, nrm, out = deltanet_shapes(shard)
+            lw = LayerWeights(norm(h), None, None, None, None, None, norm(h), la_qkv=lin(*qkv), la_z=lin(*z),
+                              la_b=lin(*b), la_a=lin(*a), la_conv=lin(*conv), la_dt_bias=norm(*dt).zero_(),
+                              la_A_log=norm(*a_log).zero_(), la_norm=norm(*nrm), la_out=lin(*out))
+        else:
+            lw = LayerWeights(input_norm=norm(h), qkv=lin(q + 2 * arch.kv_size, h), qkv_bias=None,
+                              q_norm=norm(hd) if arch.qk_norm else None, k_norm=norm(hd) if arch.qk_norm else None,
+                              o_proj=lin(h, arch.q_size), post_norm=norm(h))
         if arch.is_moe_layer(i):
             e, m = arch.num_experts, arch.moe_intermediate_size
             lw.router, lw.experts_gate_up, lw.experts_down = lin(e, h), lin(e, 2 * m, h), lin(e, h, m)
+            if arch.shared_expert_intermediate_size:
+                sh = arch.shared_expert_intermediate_size
+                lw.shared_gate_up, lw.shared_down, lw.shared_gate = lin(2 * sh, h), lin(h, sh), lin(1, h)
         else:
             lw.gate_up, lw.down = lin(2 * arch.intermediate_size, h), lin(h, arch.intermediate_size)
         layers.append(lw)
     embed = lin(arch.vocab_size, h)
     weights = ModelWeights(embed=embed, layers=layers, norm=norm(h), lm_head=embed)
-    return LlamaModel(arch, Shard(0, 1, arch), weights, TPGroup(0, 1), dtype)
+    return LlamaModel(arch, shard, weights, TPGroup(0, 1), dtype)
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -123,35 +144,40 @@ def layer_bytes(lw: LayerWeights, experts: int | None) -> int:
 
 def prefill_plan(tokens: int) -> StepPlan:
     pages = tuple(range(math.ceil(tokens / PAGE_SIZE)))
-    return StepPlan("bench", (SeqChunk(0, tuple(i % 256 for i in range(tokens)), 0, pages, True),))
+    return StepPlan("bench", (SeqChunk(0, tuple(i % 256 for i in range(tokens)), 0, pages, True, state_slot=0),))
 
 
 def decode_plan(batch: int, context: int) -> StepPlan:
     n = math.ceil(context / PAGE_SIZE)
-    return StepPlan("bench", tuple(SeqChunk(b, (b % 256,), context - 1, tuple(range(b * n, (b + 1) * n)), True)
-                                   for b in range(batch)))
+    return StepPlan("bench", tuple(SeqChunk(b, (b % 256,), context - 1, tuple(range(b * n, (b + 1) * n)), True,
+                                            state_slot=b) for b in range(batch)))
 
 
 class Layers:
     """The model, its paged KV, and a way to run a plan's forward and see its routing."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int, seqs: int) -> None:
         self.arch, self.device = arch, device
         self.model = build(arch, dtype, device)
         layout = kv_layout(arch, 1, PAGE_SIZE, str(dtype).removeprefix("torch."))
-        self.kv = KVCache(torch.empty((pages + 1, layout.page_bytes), dtype=torch.uint8, device=device), layout)
+        states = torch.zeros((seqs, layout.state_bytes), dtype=torch.uint8, device=device) if layout.stateful else None
+        self.kv = KVCache(torch.empty((pages + 1, layout.page_bytes), dtype=torch.uint8, device=device), layout,
+                          states)
         for t in layout.tensors:  # random KV in every page but the null one, through the typed views
-            for i in t.layers:
+            for i in t.layers if t.per_token else ():
                 self.kv.view(t.name, i)[:-1].normal_(0.0, 0.1)
-        # bytes one token adds to the cache of layer i
+        # bytes one token adds to the cache of layer i; bytes of one sequence's state of layer i
         self.token_bytes = [sum(t.nbytes for t in layout.tensors if t.per_token and i in t.layers)
+                            for i in range(arch.num_layers)]
+        self.state_bytes = [sum(t.nbytes for t in layout.tensors if not t.per_token and i in t.layers)
                             for i in range(arch.num_layers)]
 
     def step(self, plan: StepPlan):
         meta = AttentionMeta.build(plan, PAGE_SIZE, self.kv.null_page, self.device)
         ids = torch.tensor([t for c in plan.chunks for t in c.token_ids], device=self.device)
         pos = torch.tensor([p for c in plan.chunks for p in range(c.start_pos, c.context_len)], device=self.device)
-        return lambda: self.model.forward(ids, pos, meta, self.kv)
+        segs = segments(plan.chunks) if self.kv.states is not None else None
+        return lambda: self.model.forward(ids, pos, meta, self.kv, segs)
 
     def routed(self, run) -> list[int | None]:
         """Distinct experts each layer's tokens go to in one run of `run` (None: a dense layer)."""
@@ -175,8 +201,9 @@ class Layers:
         weights and the KV of `kv_tokens` tokens it writes (prefill) or reads (decode)."""
         run = self.step(plan)
         experts = self.routed(run) if self.arch.is_moe else [None] * self.arch.num_layers
-        per_layer = [layer_bytes(lw, e) + kv_tokens * kv for lw, e, kv in zip(self.model.w.layers, experts,
-                                                                              self.token_bytes)]
+        seqs = len(plan.chunks)  # each sequence's state is read and written once (DeltaNet layers)
+        per_layer = [layer_bytes(lw, e) + kv_tokens * kv + 2 * seqs * st
+                     for lw, e, kv, st in zip(self.model.w.layers, experts, self.token_bytes, self.state_bytes)]
         seconds = timed(run, self.device, repeats) / self.arch.num_layers
         floor = statistics.mean(per_layer) / bandwidth
         row = {"ms_per_layer": seconds * 1e3, "floor_ms_per_layer": floor * 1e3, "ratio": seconds / floor,
@@ -190,7 +217,7 @@ def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device
             bandwidth: float, repeats: int, log) -> dict:
     pages = max(math.ceil(sizes["prefill"] / PAGE_SIZE), max(sizes["batches"]) * math.ceil(sizes["context"] / PAGE_SIZE))
     log(f"{name}: building {arch.num_layers} layers on {device} ({dtype}), {pages} KV pages")
-    layers = Layers(arch, dtype, device, pages)
+    layers = Layers(arch, dtype, device, pages, max(sizes["batches"]))
     p = sizes["prefill"]
     log(f"{name}: prefill {p} tokens")
     prefill = layers.row(prefill_plan(p), p, bandwidth, repeats)
@@ -201,7 +228,8 @@ def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device
         decode.append({"batch": b, "context": c,
                        **layers.row(decode_plan(b, c), b * c, bandwidth, repeats)})
     dims = {k: getattr(arch, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                                          "num_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+                                          "num_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                          "layer_types", "linear_num_key_heads", "linear_num_value_heads")}
     del layers
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -226,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--tiny", action="store_true", help="toy shapes and sizes (gpu_check.sh --dry-run)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from: {', '.join(SHAPES)}")
+    known = (*SHAPES, *HYBRID)
+    ap.add_argument("--shapes", default=",".join(known), help=f"comma-separated, from: {', '.join(known)}")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per step (the median is kept)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     ap.add_argument("--json", type=Path, default=Path("bench/results/layer_floor.json"))
@@ -236,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     names = [n for n in args.shapes.split(",") if n]
-    unknown = [n for n in names if n not in SHAPES]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        ap.error(f"--shapes {args.shapes!r}: use names from {', '.join(SHAPES)}")
+        ap.error(f"--shapes {args.shapes!r}: use names from {', '.join(known)}")
     log, load_start = ProgressLog(), os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -246,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMALL if args.tiny else FULL
     bandwidth = copy_bandwidth(device, sizes["copy_bytes"], args.repeats)
     log(f"copy bandwidth: {bandwidth / 2**30:.1f} GiB/s (read + write)")
-    results = {n: measure(n, synthetic_arch(shape(n, args.tiny)), dtype, device, sizes, bandwidth, args.repeats, log)
-               for n in names}
+    results = {n: measure(n, hybrid_arch(n, args.tiny) if n in HYBRID else synthetic_arch(shape(n, args.tiny)), dtype,
+                          device, sizes, bandwidth, args.repeats, log) for n in names}
     print(table(results))
     print(f"(floor: bytes a layer moves / {bandwidth / 2**30:.1f} GiB/s measured copy bandwidth; ratio = time / floor)")
     write_json(args.json, {"device": args.device, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
