@@ -161,7 +161,8 @@ class ModelArch:
             raise UnsupportedArchitecture(why)
         if model_type == "qwen3_5_moe":  # the vision-language checkpoint: its text model is "text_config"
             text = cfg.get("text_config") or {}
-            cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False)} | text | {"model_type": model_type}
+            # the outer config decides the tying, as transformers' ForConditionalGeneration does
+            cfg = text | {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), "model_type": model_type}
         family = "qwen3_5_moe" if model_type == "qwen3_5_moe_text" else model_type
         hybrid = family in HYBRID_FAMILIES
         heads = cfg["num_attention_heads"]
@@ -169,7 +170,7 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         theta = cfg.get("rope_theta")
-        partial = cfg.get("partial_rotary_factor", 1.0)
+        partial = cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0)  # transformers' defaults
         if isinstance(scaling, dict):
             theta = scaling.get("rope_theta", theta)
             partial = scaling.get("partial_rotary_factor", partial)
@@ -177,7 +178,11 @@ class ModelArch:
             if scaling.get("rope_type", scaling.get("type", "default")) == "default":
                 scaling = None
         moe = family in MOE_FAMILIES
-        layer_types = tuple(cfg.get("layer_types") or ()) if hybrid else ()
+        layer_types = ()
+        if hybrid:  # hub configs may give only the interval: every interval-th layer attends
+            every = cfg.get("full_attention_interval", 4)
+            layer_types = tuple(cfg.get("layer_types") or ("full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                                           for i in range(cfg["num_hidden_layers"])))
         # Qwen2-MoE names its q/k/v bias "qkv_bias"; transformers 5 writes Qwen3-MoE's expert count
         # as "num_local_experts"
         bias = cfg.get("qkv_bias", True) if model_type == "qwen2_moe" else \
@@ -206,9 +211,10 @@ class ModelArch:
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
             if family in ("qwen2_moe", *HYBRID_FAMILIES) else 0,
             # Qwen3.5-MoE always renormalises the top-k weights (its config has no such key)
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "qwen3_5_moe")) if moe else False,
-            decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
-            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            # the hybrids renormalise unless told otherwise; Qwen3.5-MoE's layers are all MoE (it has no such keys)
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", hybrid)) if moe else False,
+            decoder_sparse_step=1 if family == "qwen3_5_moe" else cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=() if family == "qwen3_5_moe" else tuple(cfg.get("mlp_only_layers") or ()),
             layer_types=layer_types,
             linear_num_key_heads=cfg.get("linear_num_key_heads", 0) if hybrid else 0,
             linear_num_value_heads=cfg.get("linear_num_value_heads", 0) if hybrid else 0,

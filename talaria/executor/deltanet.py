@@ -53,6 +53,8 @@ def segments(chunks) -> list[Segment]:
     """The plan's chunks as state segments, in row order."""
     out, row = [], 0
     for c in chunks:
+        if c.state_slot < 0:  # -1 would index the last slot: another sequence's state, silently
+            raise ValueError(f"sequence {c.seq_id} has no state slot in a model with per-sequence state")
         out.append(Segment(row, len(c.token_ids), c.state_slot, c.start_pos > 0))
         row += len(c.token_ids)
     return out

@@ -45,6 +45,8 @@ class Batcher:
         """`snapshot_every`: a stateful cache's prompt chunks end (and publish a snapshot) at least at
         every multiple of this many tokens, a multiple of the page size (0: only where they end anyway)."""
         self.model = model
+        if pages is not None and snapshot_every % pages.page_size:
+            raise ValueError(f"snapshot_every = {snapshot_every}: must be a multiple of the page size {pages.page_size}")
         self.snapshot_every = snapshot_every
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running

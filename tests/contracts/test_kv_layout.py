@@ -36,3 +36,31 @@ def test_the_resume_rule_needs_a_snapshot_only_with_state():
     assert stateless.resume_pages(7, lambda n: False) == 7
     assert stateful.resume_pages(7, lambda n: n in (2, 5)) == 5
     assert stateful.resume_pages(4, lambda n: n in (2, 5)) == 2 and stateful.resume_pages(1, lambda n: n == 2) == 0
+
+
+HUB_NEXT = {"model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "full_attention_interval": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}
+
+
+def test_a_hub_style_hybrid_config_gets_transformers_defaults():
+    """Qwen3-Next's published config gives only the attention interval, no rotary factor and no
+    norm_topk_prob: layers 3 and 7 attend, a quarter of each head rotates, top-k is renormalised."""
+    from talaria.contracts.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(HUB_NEXT)
+    assert [i for i in range(8) if not arch.is_linear_layer(i)] == [3, 7]
+    assert (arch.rotary_dim, arch.norm_topk_prob) == (4, True)
+    assert kv_layout(arch, 1, 16, "float32").tensor("k").layers == (3, 7)
+
+
+def test_a_vision_language_config_ties_by_its_outer_flag_and_is_all_moe():
+    from talaria.contracts.arch import ModelArch
+
+    text = HUB_NEXT | {"model_type": "qwen3_5_moe_text", "tie_word_embeddings": True, "decoder_sparse_step": 2,
+                       "mlp_only_layers": [0]}
+    arch = ModelArch.from_hf_config({"model_type": "qwen3_5_moe", "tie_word_embeddings": False, "text_config": text})
+    assert arch.family == "qwen3_5_moe" and not arch.tie_word_embeddings
+    assert all(arch.is_moe_layer(i) for i in range(8))  # transformers ignores the two keys for Qwen3.5

@@ -103,8 +103,8 @@ def test_the_layout_keeps_attention_pages_and_deltanet_states(refs):
 
 
 def test_the_cases_are_discriminating(refs):
-    """A zero-centred norm read as a plain one, or the output gate dropped, changes the tokens: the
-    equality below would catch either (the weights are not degenerate)."""
+    """A zero-centred norm read as a plain one changes the tokens: the equality below would catch it
+    (the weights are not degenerate)."""
     for name, family in HYBRID.items():
         plain = build(family)
         with torch.no_grad():
@@ -211,3 +211,15 @@ def test_start_up_calibration_probes_a_hybrid_model_within_its_context(refs):
     assert core.executor.substrate.plan.num_pages * PS > files.arch.max_position
     out = run(core, [InstanceCall("1", "next", tuple(PROMPTS["next"]), GREEDY)])["1"]
     assert tokens(out) == refs["next"].greedy(PROMPTS["next"])
+
+
+def test_tp1_a_branching_call_resumes_at_a_snapshot_inside_the_first_prompt(refs, profile_for):
+    """snapshot_every_tokens = 8: a 40-token prompt publishes snapshots at 8, 16, 24 and 32; a call
+    sharing its first 21 tokens resumes at 16 (its last snapshot below its own newest token)."""
+    for name, ref in refs.items():
+        core = engine([ref.files], page_size=PS, host_kv_bytes=0, profile=profile_for([ref.files], 1),
+                      snapshot_every_tokens=8)
+        assert tokens(run(core, [InstanceCall("1", name, tuple(LONG[:40]), GREEDY)])["1"]) == ref.greedy(LONG[:40])
+        branch = LONG[:21] + [7, 7, 7]
+        out = run(core, [InstanceCall("2", name, tuple(branch), GREEDY)])["2"]
+        assert out[-1].usage.cached_tokens == 16 and tokens(out) == ref.greedy(branch), name
