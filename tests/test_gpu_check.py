@@ -57,7 +57,7 @@ def test_layer_floor_rows_are_times_over_bandwidth_floors(results: Path) -> None
     floor = json.loads((results / "layer_floor.json").read_text())
     assert floor["device"] == "cpu" and floor["tiny"] and floor["copy_bytes_per_s"] > 0
     assert list(floor["shapes"]) == LAYER_SHAPES
-    for name, shape in floor["shapes"].items():
+    for shape in floor["shapes"].values():
         rows = [shape["prefill"], *shape["decode"]]
         assert [d["batch"] for d in shape["decode"]] == floor["sizes"]["batches"]
         for row in rows:
