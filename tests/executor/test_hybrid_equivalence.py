@@ -18,18 +18,9 @@ import torch
 from talaria.config.schema import ModelConfig, Pool
 from talaria.contracts.call import InstanceCall
 from talaria.contracts.kv_layout import kv_layout
-from talaria.contracts.profile import (
-    Bandwidth,
-    DecodeCurve,
-    ModelProfile,
-    PrefillCurve,
-    Profile,
-    SwitchCost,
-)
-from talaria.contracts.profile_file import save_profile
-from talaria.contracts.vocabulary import SwitchPath
 from talaria.models.source import ModelFiles, prepare_model
 from tests.executor.group_turns import group_turns
+from tests.executor.hand_profile import write_profile
 from tests.executor.test_moe_equivalence import Reference, hf_greedy
 from tests.hybrid_models import TINY, build, save
 from tests.tiny_models import GREEDY, arena_for_pages, engine, instance, run, tokens
@@ -63,20 +54,9 @@ def refs(tmp_path_factory) -> dict[str, Reference]:
 
 @pytest.fixture(scope="module")
 def profile_for(tmp_path_factory):
-    """A hand-written cost profile: no start-up calibration (costs hardly matter here)."""
+    """A hand-written cost profile per (files, tp): no start-up calibration (tests/executor/hand_profile.py)."""
     def write(files: list[ModelFiles], tp: int) -> str:
-        models = {}
-        for f in files:
-            layout = kv_layout(f.arch, tp, PS, f.dtype)
-            models[f.name] = ModelProfile(f.name, 1 << 20, layout.token_bytes, PrefillCurve(1e-3, 1e-5),
-                                          DecodeCurve(1e-3, 1e-4),
-                                          {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0, 1e-2, 0, 0, 0))},
-                                          state_bytes=layout.state_bytes)
-        profile = Profile("cpu: test", "cpu", tp, SUBSTRATE["arena_bytes"], "2026-01-01T00:00:00+00:00",
-                          "hand-written for tests", Bandwidth(1e9, 1e9, 1e10), models)
-        path = tmp_path_factory.mktemp("profile") / f"tp{tp}.toml"
-        save_profile(profile, path)
-        return str(path)
+        return write_profile(tmp_path_factory.mktemp("profile"), files, tp, SUBSTRATE["arena_bytes"])
     return write
 
 

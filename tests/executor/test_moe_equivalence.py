@@ -23,21 +23,11 @@ from safetensors import safe_open
 
 from talaria.config.schema import ModelConfig, Pool
 from talaria.contracts.call import InstanceCall
-from talaria.contracts.kv_layout import kv_layout
-from talaria.contracts.profile import (
-    Bandwidth,
-    DecodeCurve,
-    ModelProfile,
-    PrefillCurve,
-    Profile,
-    SwitchCost,
-)
-from talaria.contracts.profile_file import save_profile
-from talaria.contracts.vocabulary import SwitchPath
 from talaria.models.errors import ModelSourceError
 from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.synthetic import byte_tokenizer
 from tests.executor.group_turns import group_turns
+from tests.executor.hand_profile import write_profile
 from tests.executor.reference import ReferenceLlama
 from tests.tiny_models import GREEDY, engine, instance, run, tiny_files, tokens
 
@@ -145,18 +135,9 @@ def refs(tmp_path_factory, model_cache) -> dict[str, Reference]:
 
 @pytest.fixture(scope="module")
 def profile_for(tmp_path_factory):
-    """A hand-written cost profile, so no start-up calibration runs (costs hardly matter here:
-    switches are forced and rounds last an hour)."""
+    """A hand-written cost profile per (files, tp): no start-up calibration (tests/executor/hand_profile.py)."""
     def write(files: list[ModelFiles], tp: int) -> str:
-        models = {f.name: ModelProfile(f.name, 1 << 20, kv_layout(f.arch, tp, 16, f.dtype).token_bytes,
-                                       PrefillCurve(1e-3, 1e-5), DecodeCurve(1e-3, 1e-4),
-                                       {SwitchPath.H2D_ONLY: SwitchCost(SwitchPath.H2D_ONLY, (0, 1e-2, 0, 0, 0))})
-                  for f in files}
-        profile = Profile("cpu: test", "cpu", tp, SUBSTRATE["arena_bytes"], "2026-01-01T00:00:00+00:00",
-                          "hand-written for tests", Bandwidth(1e9, 1e9, 1e10), models)
-        path = tmp_path_factory.mktemp("profile") / f"tp{tp}.toml"
-        save_profile(profile, path)
-        return str(path)
+        return write_profile(tmp_path_factory.mktemp("profile"), files, tp, SUBSTRATE["arena_bytes"])
     return write
 
 

@@ -408,9 +408,13 @@ def stream(case: Case, pieces: list[str]) -> list[Event]:
 
 
 def check_stream(case: Case, events: list[Event]) -> None:
-    """The events add up to the expected output, piece by piece, and come in a sensible order."""
-    expected = case.expected
-    assert assemble(events) == parse(case.text, case.tools, case.reasoning) == expected
+    check_events(events, parse(case.text, case.tools, case.reasoning), case.expected)
+
+
+def check_events(events: list[Event], whole: ParsedOutput, expected: ParsedOutput) -> None:
+    """The events of a streamed parse add up to the whole text's parse and to `expected`, piece by
+    piece, and come in a sensible order (every tool parser's streams are checked with this)."""
+    assert assemble(events) == whole == expected
     # content is streamed as it is decided, so nothing in a Content event may be call text
     assert "".join(e.text for e in events if isinstance(e, Content)) == expected.content
     starts = [(e.index, e.name) for e in events if isinstance(e, CallStart)]

@@ -26,15 +26,13 @@ from talaria.config.schema import ToolParser
 from talaria.gateway.output_parser import (
     CallArguments,
     CallStart,
-    Content,
     Event,
     OutputParser,
     ParsedOutput,
-    Reasoning,
-    assemble,
     parse,
 )
 from talaria.models.tokenizer import Tokenizer
+from tests.gateway.test_output_parser import check_events, token_pieces
 
 QWEN3_CODER = ToolParser.QWEN3_CODER
 
@@ -232,20 +230,7 @@ def stream(c: Case, pieces: list[str]) -> list[Event]:
 
 
 def check_stream(c: Case, events: list[Event]) -> None:
-    """The events add up to the expected output, piece by piece, and come in a sensible order."""
-    assert assemble(events) == parse(c.text, QWEN3_CODER, c.think, c.schemas, c.opened) == c.expected
-    assert "".join(e.text for e in events if isinstance(e, Content)) == c.expected.content
-    starts = [(e.index, e.name) for e in events if isinstance(e, CallStart)]
-    assert starts == [(i, name) for i, (name, _) in enumerate(c.expected.tool_calls)]
-    current = -1
-    for e in events:
-        if isinstance(e, CallStart):
-            current = e.index
-        elif isinstance(e, CallArguments):
-            assert e.index == current, "arguments must follow their own call's start"
-    is_reasoning = [isinstance(e, Reasoning) for e in events]
-    assert is_reasoning == sorted(is_reasoning, reverse=True), "reasoning comes before everything else"
-    assert all(e.text for e in events if not isinstance(e, CallStart)), "no empty pieces"
+    check_events(events, parse(c.text, QWEN3_CODER, c.think, c.schemas, c.opened), c.expected)
 
 
 def test_corpus_ids_are_unique():
@@ -285,9 +270,7 @@ def tokenizer(smollm_tokenizer) -> Tokenizer:
 
 @pytest.mark.parametrize("c", CASE_PARAMS)
 def test_one_token_at_a_time(c: Case, tokenizer: Tokenizer):
-    detokenizer = tokenizer.detokenizer()
-    pieces = [detokenizer.push([i]) for i in tokenizer.encode(c.text, add_special_tokens=False)]
-    pieces.append(detokenizer.flush())
+    pieces = token_pieces(tokenizer, c.text)
     assert "".join(pieces) == c.text
     check_stream(c, stream(c, pieces))
 
