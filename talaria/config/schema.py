@@ -133,10 +133,11 @@ class SyntheticShape:
 class ToolParser(str, Enum):
     """How a model writes tool calls in its output (docs/api.md)."""
 
-    AUTO = "auto"  # from the chat template: qwen3_coder, llama3_json or hermes (docs/api.md)
+    AUTO = "auto"  # from the chat template: glm, qwen3_coder, llama3_json or hermes (docs/api.md)
     HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call>: Hermes, Qwen2.5/3, and the default
     LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": ...}; ...: Llama 3.1 and later
     QWEN3_CODER = "qwen3_coder"  # <tool_call><function=...><parameter=...>: Qwen3-Coder, Qwen3.5 (values typed by schema)
+    GLM = "glm"  # <tool_call>NAME<arg_key>...</arg_key><arg_value>...: GLM-4.5 to GLM-5 (values typed by schema)
     NONE = "none"  # no tool calling: a request with tools is refused
 
 

@@ -34,10 +34,10 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 def tool_call_grammar(fmt: ToolParser, functions: tuple[Function, ...], parallel: bool) -> str:
     """One call of one of `functions` (several, separated as the format separates them, when
     `parallel`), in the model's tool-call format."""
-    if fmt is ToolParser.QWEN3_CODER:
+    if fmt in (ToolParser.QWEN3_CODER, ToolParser.GLM):  # raw values between tags, typed by the schema
         raise APIError.invalid("a forced tool_choice cannot be enforced for this model: its tool calls are "
-                               "written in the XML format (tool_parser \"qwen3_coder\"), which Talaria does "
-                               "not constrain yet; send tool_choice \"auto\"", "tool_choice")
+                               f"written as tagged raw values (tool_parser \"{fmt.value}\"), which Talaria "
+                               "does not constrain yet; send tool_choice \"auto\"", "tool_choice")
     key = "arguments" if fmt is ToolParser.HERMES else "parameters"
     rules, names = [], []
     for i, fn in enumerate(functions):

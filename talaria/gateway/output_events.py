@@ -1,9 +1,9 @@
 """What the output parsers emit, and the one rule every incremental reader of tags shares.
 
-The events are the contract between the parsers (talaria/gateway/output_parser.py, and the XML tool
-calls of talaria/gateway/xml_call_parser.py) and the response formats (talaria/gateway/responses.py,
-talaria/gateway/anthropic_responses.py): a streamed response sends them as they come, a whole
-response is their sum (`output_parser.assemble`).
+The events are the contract between the parsers (talaria/gateway/output_parser.py, and the tag
+formats' tool calls of talaria/gateway/xml_call_parser.py and talaria/gateway/glm_call_parser.py)
+and the response formats (talaria/gateway/responses.py, talaria/gateway/anthropic_responses.py): a
+streamed response sends them as they come, a whole response is their sum (`output_parser.assemble`).
 """
 
 from __future__ import annotations

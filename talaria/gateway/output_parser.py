@@ -23,6 +23,9 @@ What it recognises:
   <parameter=P>value</parameter></function></tool_call>`, values typed by the tool's schema; the
   answer after the reasoning is read by `XmlCallParser` (talaria/gateway/xml_call_parser.py), whose
   docstring has its rules. The events are the same (talaria/gateway/output_events.py).
+- **GLM tool calls** (`ToolParser.GLM`, GLM-4.5 to GLM-5): `<tool_call>N<arg_key>K</arg_key>
+  <arg_value>V</arg_value></tool_call>`, values typed by the tool's schema; the answer after the
+  reasoning is read by `GlmCallParser` (talaria/gateway/glm_call_parser.py), the same way.
 
 A JSON call (Hermes, Llama 3) begins once its head is complete: `{"name": N, "arguments": ` (the key
 may also be `"parameters"`, whitespace may come between the parts) and the first character of the
@@ -43,6 +46,7 @@ from enum import Enum
 from typing import Any
 
 from talaria.config.schema import ToolParser
+from talaria.gateway.glm_call_parser import GlmCallParser
 from talaria.gateway.json_scan import PARTIAL, WHITESPACE, ValueScanner, match_head
 from talaria.gateway.output_events import (
     CallArguments,
@@ -57,6 +61,7 @@ from talaria.gateway.xml_call_parser import XmlCallParser
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TAG_PARSERS = {ToolParser.QWEN3_CODER: XmlCallParser, ToolParser.GLM: GlmCallParser}  # formats read by their own parser
 
 
 @dataclass
@@ -104,15 +109,16 @@ class _State(Enum):
 
 
 class OutputParser:
-    """`schemas`: the offered functions' parameter schemas by name (the XML format types its values
-    by them). `reasoning_open`: the prompt ends inside `<think>`, so the output starts as reasoning."""
+    """`schemas`: the offered functions' parameter schemas by name (the tag formats, Qwen3-Coder's and
+    GLM's, type their values by them). `reasoning_open`: the prompt ends inside `<think>`, so the
+    output starts as reasoning."""
 
     def __init__(self, tools: ToolParser | None, reasoning: bool, schemas: Mapping[str, Any] | None = None,
                  reasoning_open: bool = False) -> None:
         self.tools = tools
         self.reasoning = reasoning
         self._state = _State.REASONING if reasoning and reasoning_open else _State.START
-        self._xml = XmlCallParser(schemas) if tools is ToolParser.QWEN3_CODER else None  # reads the answer
+        self._tags = TAG_PARSERS[tools](schemas) if tools in TAG_PARSERS else None  # reads the answer
         self._buf = ""  # text fed and not yet turned into events
         self._calls = 0  # calls started
         self._raw = ""  # a call block's text so far, in case it turns out not to be a call
@@ -137,8 +143,8 @@ class OutputParser:
             out.append(Content(buf))
         elif s is _State.HEAD:  # cut short before its name was complete: not a call
             out.append(Content(self._raw + buf))
-        if self._xml is not None:
-            out += self._xml.finish()
+        if self._tags is not None:
+            out += self._tags.finish()
         self._buf = ""
         return out
 
@@ -218,8 +224,8 @@ class OutputParser:
 
     def _content(self, out: list[Event]) -> bool:
         buf = self._buf
-        if self._xml is not None:
-            out += self._xml.feed(buf)
+        if self._tags is not None:
+            out += self._tags.feed(buf)
             self._buf = ""
             return False
         if self._state is _State.TEXT or self.tools is not ToolParser.HERMES:

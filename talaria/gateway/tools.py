@@ -4,8 +4,9 @@ sees them.
 `parse_tools` validates `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's shapes). A
 model's formats come from its config or, with `auto`, from its chat template (`model_formats`): a
 template that renders calls as `<function=...>` with `<parameter=...>` blocks (Qwen3-Coder, Qwen3.5)
-writes the XML format; Llama 3's (an `ipython` role) the Llama-3 JSON format; every other one the
-Hermes format. `template_messages` prepares a conversation for the template:
+writes the XML format; one that renders `<arg_key>` (GLM-4.5 to GLM-5) GLM's format; Llama 3's (an
+`ipython` role) the Llama-3 JSON format; every other one the Hermes format. `template_messages`
+prepares a conversation for the template:
 - a template that takes `tools` gets them, and assistant tool calls with their arguments as objects,
   as Hugging Face templates expect;
 - a template without a tool section (SmolLM2's) gets the **default rendering**, in the Hermes format:
@@ -132,7 +133,7 @@ def _function(tool: Any, i: int) -> tuple[Function, str]:
 class ModelFormats:
     """How one model writes tool calls and reasoning, and whether its template renders tools."""
 
-    tools: ToolParser | None  # HERMES, LLAMA3_JSON or QWEN3_CODER; None: the model does no tool calling
+    tools: ToolParser | None  # HERMES, LLAMA3_JSON, QWEN3_CODER or GLM; None: the model does no tool calling
     reasoning: bool  # its output starts with <think>...</think>
     template_tools: bool  # its chat template takes `tools` (else: the default Hermes rendering)
 
@@ -144,6 +145,8 @@ def model_formats(config: ModelConfig, tokenizer: Tokenizer) -> ModelFormats:
     if tools is ToolParser.AUTO:
         if "<function=" in source and "<parameter=" in source:  # Qwen3-Coder's and Qwen3.5's calls
             tools = ToolParser.QWEN3_CODER
+        elif "<arg_key>" in source:  # GLM's calls: the name, then <arg_key>/<arg_value> pairs
+            tools = ToolParser.GLM
         elif "<|python_tag|>" in source or "ipython" in source:
             tools = ToolParser.LLAMA3_JSON
         else:

@@ -20,14 +20,10 @@ formats: `CallStart` once `<function=NAME>` is complete, then the arguments as t
 object, built from the parameters as they close, `{"city": "Paris", "days": 3}`.
 
 **Values are raw text, typed by the tool's JSON schema** (the request's `tools`): one leading and
-one trailing newline are dropped (the template writes them around every value), and the rest is
-- a JSON string when the parameter's schema allows `"string"` (`type`, a list of types, or an
-  `anyOf`/`oneOf` member's), and when there is no type to go by: an unknown function or parameter,
-  a schema without `type`. Never guessed from the text (`"007"`, `"true"`, `"{}"` may be strings);
-- otherwise the value parsed as JSON (`3`, `2.5`, `true`, `null`, `{"a": [1]}`), or `True`/`False`
-  for a boolean and `None` for a null as Qwen3.5's template renders them (Python's `str`); a value
-  that is none of these stays the string it was written as (never NaN or Infinity, which JSON lacks).
-String values stream as they arrive; a typed value is written when its `</parameter>` closes it.
+one trailing newline are dropped (the template writes them around every value), and the rest is a
+string or JSON by the rule of talaria/gateway/arguments_writer.py, which writes the arguments (and
+is shared with GLM's format). String values stream as they arrive; a typed value is written when its
+`</parameter>` closes it.
 
 A value is raw text up to `</parameter>`, so it may hold any other tag. A block is a call once its
 `<function=NAME>` is complete (the name on one line, not empty); before that a block that is not a
@@ -41,14 +37,13 @@ between parameters ends a call whose `</function>` never came; text after `</fun
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from talaria.gateway.arguments_writer import ArgumentsWriter
 from talaria.gateway.json_scan import PARTIAL, WHITESPACE
-from talaria.gateway.output_events import CallArguments, CallStart, Content, Event, held
+from talaria.gateway.output_events import Content, Event, held
 
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 FUNCTION, END_FUNCTION = "<function=", "</function>"
@@ -68,13 +63,9 @@ class XmlCallParser:
     """The answer of a Qwen3-Coder / Qwen3.5 model, in pieces of any size: content and calls."""
 
     def __init__(self, schemas: Mapping[str, Any] | None = None) -> None:
-        self._schemas = schemas or {}  # function name -> its parameters' JSON schema
+        self._args = ArgumentsWriter(schemas)  # the calls' JSON, typed by `schemas`
         self._state = _State.CONTENT
         self._buf = ""  # text fed and not yet turned into events
-        self._calls = 0  # calls started
-        self._properties: Mapping[str, Any] = {}  # the current function's parameter schemas
-        self._params = 0  # parameters written in the current call
-        self._types: frozenset[str] = frozenset()  # the current value's schema types
         self._fresh = False  # the current value has not begun: its leading newline may still come
 
     def feed(self, text: str) -> list[Event]:
@@ -89,11 +80,13 @@ class XmlCallParser:
         out: list[Event] = []
         while self._step(out, final=True):
             pass
+        if self._state is _State.HEAD:  # cut right after <tool_call>: not a call
+            out.append(Content(TOOL_CALL))
         if self._state is _State.VALUE:
             rest = self._buf.removeprefix("\n") if self._fresh else self._buf
             self._end_value(out, rest[:len(rest) - held(rest, END_PARAMETER)])  # (a cut closing tag is syntax)
         if self._state in (_State.BODY, _State.VALUE):
-            out.append(CallArguments(self._calls - 1, "}"))
+            out.append(self._args.close())
         self._buf, self._state = "", _State.CONTENT
         return out
 
@@ -152,12 +145,7 @@ class XmlCallParser:
 
     def _open_call(self, out: list[Event], match: tuple[str, int], rest: str) -> None:
         name, end = match
-        out += [CallStart(self._calls, name), CallArguments(self._calls, "{")]
-        self._calls += 1
-        schema = self._schemas.get(name)
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        self._properties = properties if isinstance(properties, Mapping) else {}
-        self._params = 0
+        out += self._args.open(name)
         self._buf, self._state = rest[end:], _State.BODY
 
     def _body(self, out: list[Event], rest: str) -> bool:
@@ -165,12 +153,12 @@ class XmlCallParser:
         whose closing tags never came)."""
         for tag, then in ((END_FUNCTION, _State.AFTER), (END_TOOL_CALL, _State.SKIP_SPACE), (TOOL_CALL, _State.HEAD)):
             if rest.startswith(tag):
-                out.append(CallArguments(self._calls - 1, "}"))
+                out.append(self._args.close())
                 self._buf, self._state = rest[len(tag):], then
                 return True
         function = _tag(rest, FUNCTION)
         if isinstance(function, tuple):
-            out.append(CallArguments(self._calls - 1, "}"))
+            out.append(self._args.close())
             self._open_call(out, function, rest)
             return True
         match = _tag(rest, PARAMETER)
@@ -182,10 +170,7 @@ class XmlCallParser:
             self._buf = rest[i:] if i > 0 else ""
             return i > 0
         name, end = match
-        self._types = _types(self._properties.get(name))
-        key = json.dumps(name, ensure_ascii=False) + ": " + ('"' if self._is_string else "")
-        out.append(CallArguments(self._calls - 1, (", " if self._params else "") + key))
-        self._params += 1
+        out.append(self._args.key(name))
         self._fresh = True
         self._buf, self._state = rest[end:], _State.VALUE
         return True
@@ -200,27 +185,17 @@ class XmlCallParser:
             self._end_value(out, buf[:i])
             self._buf, self._state = buf[i + len(END_PARAMETER):], _State.BODY
             return True
-        if self._is_string and not final:  # stream it, but for what may be "\n</parameter>"
+        if self._args.is_string and not final:  # stream it, but for what may be "\n</parameter>"
             cut = len(buf) - held(buf, END_PARAMETER)
             if cut and buf[cut - 1] == "\n":
                 cut -= 1
             if cut:
-                out.append(CallArguments(self._calls - 1, _escaped(buf[:cut])))
+                out.append(self._args.piece(buf[:cut]))
                 self._buf = buf[cut:]
         return False
 
     def _end_value(self, out: list[Event], text: str) -> None:
-        """The rest of the current value (all of it, for a typed one), then what closes it."""
-        text = text.removesuffix("\n")
-        if self._is_string:
-            piece = _escaped(text) + '"'
-        else:
-            piece = json.dumps(_typed(text, self._types), ensure_ascii=False)
-        out.append(CallArguments(self._calls - 1, piece))
-
-    @property
-    def _is_string(self) -> bool:
-        return not self._types or "string" in self._types
+        out.append(self._args.end(text.removesuffix("\n")))  # (the template's newline before the tag)
 
 
 def _tag(text: str, prefix: str) -> tuple[str, int] | object | None:
@@ -234,51 +209,3 @@ def _tag(text: str, prefix: str) -> tuple[str, int] | object | None:
     name = text[len(prefix):end].strip()
     return (name, end + 1) if name and not 0 <= line < end else None
 
-
-def _types(schema: Any) -> frozenset[str]:
-    """The JSON types a parameter's schema names: `type` (one or a list) and its `anyOf`/`oneOf`
-    members' `type`; empty when it names none."""
-    if not isinstance(schema, Mapping):
-        return frozenset()
-    schemas = [schema]
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            schemas += [m for m in schema[key] if isinstance(m, Mapping)]
-    found: set[str] = set()
-    for s in schemas:
-        t = s.get("type")
-        if isinstance(t, str):
-            found.add(t)
-        elif isinstance(t, list):
-            found.update(x for x in t if isinstance(x, str))
-    return frozenset(found)
-
-
-def _typed(text: str, types: frozenset[str]) -> Any:
-    """A value whose schema does not allow a string: its JSON, or the string it was written as."""
-    try:
-        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
-    except (ValueError, RecursionError):
-        pass
-    word = text.strip()
-    if "boolean" in types and word in ("True", "False"):
-        return word == "True"
-    if "null" in types and word == "None":
-        return None
-    return text
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400
-        raise ValueError(f"{text} is not a finite number")
-    return value
-
-
-def _escaped(text: str) -> str:
-    """`text` as the inside of a JSON string (escaping is per character, so pieces concatenate)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]

@@ -96,16 +96,16 @@ def test_auto_detects_the_xml_format():
 # ---- from the request to the parser ------------------------------------------------------------
 
 
-class Qwen35Catalog:
-    """One model with the byte-level vocabulary and the Qwen3.5-shaped template."""
+class TemplateCatalog:
+    """One model with the byte-level vocabulary and a given chat template (Qwen3.5's shape here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: str = QWEN35_TEMPLATE) -> None:
         self._base = FakeEchoSupervisor(max_position=4096)
         self.config = self._base.config
         backend, _ = synthetic_byte_tokenizer(MIN_VOCAB)
         special = {"bos_token": BOS, "eos_token": EOS, "unk_token": None, "pad_token": PAD}
         self.tok = Tokenizer(backend, add_bos_token=False, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,),
-                             chat_template=ChatTemplate(QWEN35_TEMPLATE, special))
+                             chat_template=ChatTemplate(template, special))
 
     def model_names(self) -> list[str]:
         return [MODEL]
@@ -125,8 +125,8 @@ HISTORY = [{"role": "user", "content": "weather?"},
 
 
 @pytest.fixture(scope="module")
-def qwen35() -> Qwen35Catalog:
-    return Qwen35Catalog()
+def qwen35() -> TemplateCatalog:
+    return TemplateCatalog()
 
 
 def test_a_chat_request_hands_the_parser_its_schemas_and_open_reasoning(qwen35):

@@ -192,6 +192,7 @@ CASES = [
          calls=[["get_time", "{}"], ["get_weather", '{"days": 1}']]),
     # -- cut short (max_tokens) at every point of a call
     case("cut-in-open-tag", "Sure. <tool_ca", content="Sure. <tool_ca"),
+    case("cut-right-after-open-tag", "Sure. <tool_call>", content="Sure. <tool_call>"),
     case("cut-after-open-tag", "Sure. <tool_call>\n", content="Sure. <tool_call>\n"),
     case("cut-in-function-tag", "<tool_call>\n<funct", content="<tool_call>\n<funct"),
     case("cut-in-function-name", "<tool_call>\n<function=get_wea", content="<tool_call>\n<function=get_wea"),
