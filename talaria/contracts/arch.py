@@ -10,6 +10,13 @@ replaced by a routed set of experts (docs/moe.md); ``num_experts == 0`` means a 
 Hybrid models (Qwen3-Next, Qwen3.5-MoE) interleave Gated DeltaNet layers (linear attention with a
 per-sequence recurrent state: ``layer_types``, the ``linear_*`` fields) with gated full-attention
 layers (a sigmoid output gate, partial RoPE), and use zero-centred RMSNorms (weight 1 + w).
+
+MLA families (DeepSeek-V3, GLM-5) replace attention by multi-head latent attention (``kv_lora_rank``
+and the ``qk_*`` / ``v_head_dim`` fields; docs/models.md): keys and values come from one shared
+latent, so ``head_dim`` is a query/key head's nope + rope dims and every head is its own KV head.
+GLM-5 adds DeepSeek sparse attention, an indexer that picks each query's ``index_topk`` tokens
+(``indexer_types``). Their MoE routes by sigmoid scores with a selection bias, inside groups
+(``router_scoring``, ``n_group``, ``topk_group``), and its shared experts are ungated.
 """
 
 from __future__ import annotations
@@ -19,24 +26,24 @@ from typing import Any
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+                    "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet layers between gated attention layers
-FAMILIES = tuple(f for f in HF_ARCHITECTURES if f not in HYBRID_FAMILIES)  # families synthetic models may have
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", *HYBRID_FAMILIES)
+MLA_FAMILIES = ("deepseek_v3", "glm_moe_dsa")  # multi-head latent attention (GLM-5: with a sparse indexer)
+# families synthetic models may have (the others are tested on tiny models transformers builds)
+FAMILIES = tuple(f for f in HF_ARCHITECTURES if f not in HYBRID_FAMILIES + MLA_FAMILIES)
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", *HYBRID_FAMILIES, *MLA_FAMILIES)
 # config.json model_type values the engine reads; a Qwen3.5 checkpoint's text model is "qwen3_5_moe_text"
 # (the text-only one) or the "text_config" of a "qwen3_5_moe" (the vision-language one)
-HF_MODEL_TYPES = ("llama", "mistral", *FAMILIES[1:], *HYBRID_FAMILIES, "qwen3_5_moe_text")
+HF_MODEL_TYPES = ("llama", "mistral", *FAMILIES[1:], *HYBRID_FAMILIES, "qwen3_5_moe_text", *MLA_FAMILIES)
 HF_MODEL_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text"}  # family -> the model_type its to_hf_config writes
 
 # model types people will try, and why the engine cannot run them (the refusal says so)
 UNSUPPORTED_MODEL_TYPES = {
-    "glm_moe_dsa": "GLM-5 uses multi-head latent attention (MLA) and DeepSeek sparse attention (DSA), "
-                   "which the engine does not implement",
     "qwen3_5": "dense Qwen3.5 is not served yet (its MoE sibling qwen3_5_moe is)",
     "qwen3_5_text": "dense Qwen3.5 is not served yet (its MoE sibling qwen3_5_moe is)",
-    "deepseek_v3": "DeepSeek-V3 uses multi-head latent attention (MLA), which the engine does not implement",
-    "deepseek_v32": "DeepSeek-V3.2 uses multi-head latent attention (MLA) and DeepSeek sparse attention (DSA), "
-                    "which the engine does not implement",
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention indexer (half-split RoPE, its own key scaling) is not "
+                    "served yet (DeepSeek-V3 and GLM-5's glm_moe_dsa are)",
 }
 
 
@@ -91,6 +98,27 @@ class ModelArch:
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims of a head
     attn_output_gate: bool = False  # q_proj also yields a gate: o_proj(attention * sigmoid(gate))
     norm_offset: float = 0.0  # RMSNorm weight is (offset + w): 1 for zero-centred norms
+    # MLA families: queries through a rank-q_lora_rank bottleneck (0: one q_proj), keys and values from
+    # a kv_lora_rank latent plus one rotated key of qk_rope_head_dim that all heads share
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0  # 0: not MLA
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout)
+    # DeepSeek sparse attention (GLM-5): "full" layers run the indexer, "shared" ones reuse the selection
+    # of the layer before; () = dense attention
+    indexer_types: tuple[str, ...] = ()
+    index_topk: int = 0  # tokens each query attends to
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    # routing: "softmax" (Qwen) or "sigmoid" (DeepSeek-V3, GLM-5: a bias added to choose experts only, top
+    # groups first, the chosen raw sigmoids renormalised and scaled)
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # the shared expert sits behind a sigmoid gate (Qwen), else always on
 
     @property
     def q_size(self) -> int:
@@ -108,14 +136,27 @@ class ModelArch:
     def is_hybrid(self) -> bool:
         return self.family in HYBRID_FAMILIES
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """An MLA layer's cached numbers a token: the normalised latent and the shared rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether `layer` runs its own sparse-attention indexer (and caches its keys)."""
+        return bool(self.indexer_types) and self.indexer_types[layer] == "full"
+
     def is_linear_layer(self, layer: int) -> bool:
         """Whether `layer` is a Gated DeltaNet (linear-attention) layer, else full attention."""
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of a head that RoPE rotates (the rest pass through)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Dims of a head that RoPE rotates (the rest pass through): MLA rotates its rope dims."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def linear_key_dim(self) -> int:
@@ -130,26 +171,44 @@ class ModelArch:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
-    def param_count(self) -> int:
-        """Parameters as stored (tied embeddings counted once; every expert, not only the active ones)."""
-        q = self.q_size * (2 if self.attn_output_gate else 1)
-        attn = self.hidden_size * (q + 2 * self.kv_size) + self.q_size * self.hidden_size
-        if self.attention_bias:
-            attn += q + 2 * self.kv_size
-        if self.qk_norm:
-            attn += 2 * self.head_dim
+    def param_count(self, tp: int = 1) -> int:
+        """Parameters one of `tp` ranks holds as the engine shards them; at tp 1 the model as stored
+        (tied embeddings counted once, every expert, not only the active ones).
+
+        Attention and MLP projections split over tp (a KV head is replicated when tp exceeds the KV
+        heads; MLA splits its heads and replicates the latent and query projections and the indexer),
+        embedding and LM head split by vocabulary (rounded up); norms, routers and the shared expert's
+        gate are replicated (docs/moe.md, docs/models.md)."""
+        def up(n: int) -> int:
+            return -(-n // tp)
+
         h = self.hidden_size
-        kd, vd, vh = self.linear_key_dim, self.linear_value_dim, self.linear_num_value_heads
-        conv = 2 * kd + vd
+        q, kv = up(self.q_size), self.head_dim * up(self.num_kv_heads)
+        gated = 2 if self.attn_output_gate else 1
+        attn = h * (q * gated + 2 * kv) + q * h
+        attn += (q * gated + 2 * kv if self.attention_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        if self.is_mla:
+            heads, lq = up(self.num_heads), self.q_lora_rank
+            q_in = lq or h
+            attn = (h * lq + lq if lq else 0) + q_in * heads * self.head_dim  # q_a_proj, its norm, q_b_proj
+            attn += h * self.latent_dim + self.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
+            attn += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim) + heads * self.v_head_dim * h
+        idx, ih = self.index_head_dim, self.index_n_heads
+        indexer = (self.q_lora_rank * ih * idx + h * idx + 2 * idx + h * ih) if self.indexer_types else 0
+        # a Gated DeltaNet layer: its projections, convolution and per-head parameters split by key head
+        kd, vd = up(self.linear_key_dim), up(self.linear_value_dim)
+        vh, conv = up(self.linear_num_value_heads), 2 * kd + vd
         linear = h * (conv + vd + 2 * vh) + conv * self.linear_conv_kernel_dim + 2 * vh + \
             self.linear_value_head_dim + vd * h  # in_proj_qkv, z, b, a; conv; dt_bias, A_log; norm; out_proj
-        mixers = sum(linear if self.is_linear_layer(i) else attn for i in range(self.num_layers))
-        dense = 3 * h * self.intermediate_size
-        moe = self.num_experts * (h + 3 * h * self.moe_intermediate_size)  # router row + expert
+        mixers = sum(linear if self.is_linear_layer(i) else attn + indexer * self.has_indexer(i)
+                     for i in range(self.num_layers))
+        dense = 3 * h * up(self.intermediate_size)
+        moe = self.num_experts * (h + 3 * h * up(self.moe_intermediate_size))  # router row + expert
+        moe += self.num_experts if self.router_scoring == "sigmoid" else 0  # the selection bias
         if self.shared_expert_intermediate_size:
-            moe += 3 * h * self.shared_expert_intermediate_size + h  # shared expert + its gate
+            moe += 3 * h * up(self.shared_expert_intermediate_size) + h * self.shared_expert_gated  # + its gate
         mlps = sum(moe if self.is_moe_layer(i) else dense for i in range(self.num_layers))
-        emb = self.vocab_size * h
+        emb = up(self.vocab_size) * h
         return mixers + self.num_layers * 2 * h + mlps + emb * (1 if self.tie_word_embeddings else 2) + h
 
     @classmethod
@@ -187,7 +246,7 @@ class ModelArch:
         # as "num_local_experts"
         bias = cfg.get("qkv_bias", True) if model_type == "qwen2_moe" else \
             cfg.get("attention_bias", model_type == "qwen2")
-        return cls(
+        fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size", 0) if hybrid else cfg["intermediate_size"],
@@ -225,6 +284,7 @@ class ModelArch:
             attn_output_gate=hybrid,
             norm_offset=1.0 if hybrid else 0.0,
         )
+        return cls(**fields | (_mla_fields(cfg, family) if family in MLA_FAMILIES else {}))
 
     def to_hf_config(self) -> dict[str, Any]:
         """A config.json that transformers loads as the same model."""
@@ -272,3 +332,58 @@ class ModelArch:
                     "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
                                         "partial_rotary_factor": self.partial_rotary_factor}}
         return cfg
+
+
+# transformers' config defaults for the keys a hub config may leave out
+_MLA_DEFAULTS = {
+    "deepseek_v3": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True},
+    "glm_moe_dsa": {"q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                    "v_head_dim": 256, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True,
+                    "index_topk": 2048, "index_n_heads": 32, "index_head_dim": 128},
+}
+
+
+def _mla_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """ModelArch fields of a DeepSeek-V3 or GLM-5 config.json, over the common ones."""
+    c = _MLA_DEFAULTS[family] | {k: v for k, v in cfg.items() if v is not None}
+    if c.get("attention_bias"):
+        raise UnsupportedArchitecture(f"{family} with attention_bias = true is not supported (the released "
+                                      "checkpoints have none)")
+    layers = cfg["num_hidden_layers"]
+    dense = tuple(i for i, t in enumerate(c.get("mlp_layer_types") or ()) if t == "dense") if "mlp_layer_types" in c \
+        else tuple(range(min(c["first_k_dense_replace"], layers)))
+    indexer: tuple[str, ...] = ()
+    if family == "glm_moe_dsa":  # every layer runs the indexer unless its config says "shared" (transformers' rule)
+        pattern = c.get("indexer_types") or c.get("index_topk_pattern")
+        if isinstance(pattern, str):
+            pattern = [{"F": "full", "S": "shared"}[x] for x in pattern]
+        freq, offset = max(c.get("index_topk_freq", 1), 1), c.get("index_skip_topk_offset", 2)
+        indexer = tuple(pattern or ("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)))
+    moe = c["moe_intermediate_size"]
+    return {
+        "num_kv_heads": cfg["num_attention_heads"],  # every head keys and values the shared latent
+        "head_dim": c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
+        "q_lora_rank": (cfg["q_lora_rank"] if "q_lora_rank" in cfg else c["q_lora_rank"]) or 0,  # null: one q_proj
+        "kv_lora_rank": c["kv_lora_rank"],
+        "qk_nope_head_dim": c["qk_nope_head_dim"],
+        "qk_rope_head_dim": c["qk_rope_head_dim"],
+        "v_head_dim": c["v_head_dim"],
+        "rope_interleave": bool(c["rope_interleave"]) or family == "glm_moe_dsa",
+        "indexer_types": indexer,
+        "index_topk": c.get("index_topk", 0) if indexer else 0,
+        "index_n_heads": c.get("index_n_heads", 0) if indexer else 0,
+        "index_head_dim": c.get("index_head_dim", 0) if indexer else 0,
+        "num_experts": c.get("n_routed_experts") or c.get("num_experts") or 0,
+        "norm_topk_prob": bool(c.get("norm_topk_prob", True)),
+        "mlp_only_layers": dense,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": moe * c["n_shared_experts"],
+        "shared_expert_gated": False,
+        "router_scoring": "sigmoid",
+        "n_group": c["n_group"],
+        "topk_group": c["topk_group"],
+        "routed_scaling_factor": float(c["routed_scaling_factor"]),
+    }

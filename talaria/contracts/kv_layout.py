@@ -143,9 +143,19 @@ def kv_layout(arch: ModelArch, tp: int, page_size: int, dtype: str) -> KVLayout:
     (KV heads per rank, head_dim) on every layer. Hybrid families (Qwen3-Next, Qwen3.5-MoE): `k` and
     `v` on the full-attention layers only; on each Gated DeltaNet layer a per-sequence `conv` state
     (the convolution's last kernel - 1 inputs of the rank's q, k and v channels, in `dtype`) and
-    `ssm` state (the recurrent matrix of each of the rank's value heads, in float32, as computed)."""
+    `ssm` state (the recurrent matrix of each of the rank's value heads, in float32, as computed).
+    MLA families (DeepSeek-V3, GLM-5): per-token `latent` (the normalised kv_lora_rank latent and the
+    rotated key all heads share) on every layer, whole on every rank (each rank's heads read all of
+    it; docs/models.md), and with a sparse-attention indexer its `index_k` on the layers that run one."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"cache dtype {dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+    if arch.is_mla:
+        every = tuple(range(arch.num_layers))
+        indexed = tuple(i for i in every if arch.has_indexer(i))
+        tensors = [CacheTensor("latent", every, (arch.latent_dim,), dtype, True)]
+        if indexed:
+            tensors.append(CacheTensor("index_k", indexed, (arch.index_head_dim,), dtype, True))
+        return KVLayout(page_size, tuple(tensors))
     linear = tuple(i for i in range(arch.num_layers) if arch.is_linear_layer(i))
     attention = tuple(i for i in range(arch.num_layers) if not arch.is_linear_layer(i))
     shape = (kv_heads_per_rank(arch, tp), arch.head_dim)

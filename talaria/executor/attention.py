@@ -61,6 +61,7 @@ class DecodeBatch:
     valid: torch.Tensor | None  # (B, width * page_size) bool; None when no position is invalid
     stale: torch.Tensor | None  # flat positions of the gathered copy past a context in its last page
     ctx: int | None  # a lone sequence's context length: gather exactly that, nothing to mask
+    longest: int = 0  # the longest context in the batch, in tokens
 
 
 @dataclass(slots=True)
@@ -154,7 +155,7 @@ def _groups(pages: list[tuple[int, ...]], ctx: list[int], page_size: int) -> lis
 def _decode_batch(rows: torch.Tensor | None, pages: list[tuple[int, ...]], ctx: list[int], n_shared: int,
                   page_size: int, null_page: int, device: torch.device) -> DecodeBatch:
     """One batch; its first `n_shared` pages (0: none) are shared by all its sequences and read once."""
-    shared = None
+    shared, longest = None, max(ctx)
     if n_shared:
         shared = torch.tensor(pages[0][:n_shared], device=device)
         pages = [p[n_shared:] for p in pages]
@@ -168,7 +169,7 @@ def _decode_batch(rows: torch.Tensor | None, pages: list[tuple[int, ...]], ctx: 
         stale_pos = [b * width * page_size + i for b, (ps, c) in enumerate(zip(pages, ctx))
                      for i in range(c, len(ps) * page_size)]
         stale = torch.tensor(stale_pos, device=device) if stale_pos else None
-    return DecodeBatch(rows, len(ctx), shared, torch.tensor(flat, device=device), valid, stale, lone)
+    return DecodeBatch(rows, len(ctx), shared, torch.tensor(flat, device=device), valid, stale, lone, longest)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, ctx: int | None = None,

@@ -1,18 +1,17 @@
-"""The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen2-/Qwen3-MoE, and the
-hybrid Qwen3-Next / Qwen3.5-MoE) on one TP shard.
+"""The Llama-family forward pass (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen2-/Qwen3-MoE, the hybrid
+Qwen3-Next / Qwen3.5-MoE, and DeepSeek-V3 / GLM-5) on one TP shard.
 
 Reads top to bottom like nanoGPT: embed -> N x (token mixer, MLP) -> norm -> LM head. Tokens of all
 sequences in a step are flattened into one batch of T rows; only the token mixer looks at
 sequences. The mixer is attention, or in a hybrid model's linear layers Gated DeltaNet
-(talaria/executor/deltanet.py), which reads and writes each sequence's state slot. A hybrid model's
+(talaria/executor/deltanet.py), which reads and writes each sequence's state slot, or in DeepSeek-V3
+and GLM-5 multi-head latent attention (talaria/executor/mla.py). A hybrid model's
 attention is gated (o_proj(attention * sigmoid(gate))), rotates only part of each head, and its
 norms are zero-centred (weight 1 + w, in float32, as the reference computes them). A layer's MLP is
 dense, or routed experts (talaria/executor/moe.py) in an MoE layer.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -21,30 +20,12 @@ from talaria.contracts.arch import ModelArch
 from talaria.executor.attention import AttentionMeta, paged_attention
 from talaria.executor.deltanet import Segment, deltanet_mixer
 from talaria.executor.kv_cache import KVCache
+from talaria.executor.mla import MLA
 from talaria.executor.moe import moe_mlp, use_grouped_mm
 from talaria.executor.parallel import Shard, TPGroup
-from talaria.executor.rope import rope_cos_sin
+from talaria.executor.norms import rms_norm
+from talaria.executor.rope import apply_rope, rope_cos_sin, softmax_scale
 from talaria.executor.weights import ModelWeights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """RMSNorm times `weight`, or with `offset` (a zero-centred norm) times offset + weight, in float32."""
-    if not offset:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (offset + weight.float())).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, hd); cos/sin: (T, 1, rd). HF layout: rotate the two halves of each head's first
-    rd dims (all of them unless RoPE is partial); the rest pass through."""
-    rd = cos.shape[-1]
-    if rd < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
-    half = rd // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -55,7 +36,8 @@ class LlamaModel:
         self.shard = shard
         self.w = weights
         self.group = group
-        self.scale = 1.0 / math.sqrt(arch.head_dim)
+        self.scale = softmax_scale(arch)
+        self.mla = MLA(shard, self.scale) if arch.is_mla else None
         cos, sin = rope_cos_sin(arch, dtype, weights.embed.device)  # (max_pos, hd)
         if rope is not None:
             cos, sin = rope[0].copy_(cos), rope[1].copy_(sin)
@@ -82,10 +64,13 @@ class LlamaModel:
         x = self.embed(input_ids)  # (T, H)
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, rd)
         sin = self.sin[positions].unsqueeze(1)
+        selection = None  # MLA's sparse attention: the tokens the last indexer chose, for "shared" layers
         for i, lw in enumerate(self.w.layers):
             h = rms_norm(x, lw.input_norm, eps, offset)
             if lw.la_qkv is not None:
                 mixed = deltanet_mixer(h, lw, sh, segments, kv.view("conv", i), kv.view("ssm", i))
+            elif self.mla is not None:
+                mixed, selection = self.mla.forward(h, lw, i, cos, sin, meta, kv, selection)
             else:
                 mixed = self.attention(h, lw, i, cos, sin, meta, kv)
             x = x + self.group.all_reduce(mixed)

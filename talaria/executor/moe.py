@@ -1,4 +1,5 @@
-"""The Mixture-of-Experts MLP (Qwen2-MoE, Qwen3-MoE) on one TP shard: shapes, loading, forward.
+"""The Mixture-of-Experts MLP (Qwen2-/Qwen3-MoE, the hybrids, DeepSeek-V3, GLM-5) on one TP shard:
+shapes, loading, forward.
 
 Tensor-parallel inside each expert (docs/moe.md): a rank holds every expert's slice of the expert
 width, the shared expert's slice and the whole router. The hidden state is the same on every rank,
@@ -34,8 +35,9 @@ def moe_shapes(shard: Shard) -> list[Shape]:
     """Arena tensors of one MoE layer's MLP on this shard (see `load_moe`)."""
     a, h, im, ish = shard.arch, shard.arch.hidden_size, shard.moe_intermediate, shard.shared_intermediate
     shapes: list[Shape] = [(a.num_experts, h), (a.num_experts, 2 * im, h), (a.num_experts, h, im)]
+    shapes += [(a.num_experts,)] if a.router_scoring == "sigmoid" else []
     if a.shared_expert_intermediate_size:
-        shapes += [(2 * ish, h), (h, ish), (1, h)]
+        shapes += [(2 * ish, h), (h, ish)] + [(1, h)] * a.shared_expert_gated
     return shapes
 
 
@@ -64,31 +66,58 @@ def load_moe(ckpt: ShardReader, prefix: str, shard: Shard, alloc: Callable[[Shap
             ckpt.read_into(gate_up[x, im:], f"{e}{x}.up_proj.weight", 0, i0, i1)
             ckpt.read_into(down[x], f"{e}{x}.down_proj.weight", 1, i0, i1)
     out = {"router": router, "experts_gate_up": gate_up, "experts_down": down}
+    if a.router_scoring == "sigmoid":  # DeepSeek-V3's selection bias
+        out["router_bias"] = alloc((a.num_experts,), prefix + "gate.e_score_correction_bias")
+        ckpt.read_into(out["router_bias"], prefix + "gate.e_score_correction_bias")
     if a.shared_expert_intermediate_size:
         ish = shard.shared_intermediate
         s0, s1 = shard.width_range(ish)
-        s = prefix + "shared_expert."
+        s = prefix + ("shared_expert." if a.shared_expert_gated else "shared_experts.")
         out["shared_gate_up"] = alloc((2 * ish, h), s + "gate_up")
         ckpt.read_into(out["shared_gate_up"][:ish], s + "gate_proj.weight", 0, s0, s1)
         ckpt.read_into(out["shared_gate_up"][ish:], s + "up_proj.weight", 0, s0, s1)
         out["shared_down"] = alloc((h, ish), s + "down")
         ckpt.read_into(out["shared_down"], s + "down_proj.weight", 1, s0, s1)
-        out["shared_gate"] = alloc((1, h), prefix + "shared_expert_gate")
-        ckpt.read_into(out["shared_gate"], prefix + "shared_expert_gate.weight")
+        if a.shared_expert_gated:
+            out["shared_gate"] = alloc((1, h), prefix + "shared_expert_gate")
+            ckpt.read_into(out["shared_gate"], prefix + "shared_expert_gate.weight")
     return out
 
 
-def route(h: torch.Tensor, router: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
+def route(h: torch.Tensor, router: torch.Tensor, arch: ModelArch,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts of each token and their weights: (T, k) ids, (T, k) weights in h's dtype.
 
     The softmax runs in float32 whatever the weights' dtype, as transformers and vLLM do: routing
-    decisions then match the checkpoint's reference implementation bit for bit.
+    decisions then match the checkpoint's reference implementation bit for bit. Sigmoid routing
+    (DeepSeek-V3, GLM-5) is computed wholly in float32, as its reference does.
     """
+    if arch.router_scoring == "sigmoid":
+        return _sigmoid_route(h, router, arch, bias)
     probs = F.linear(h, router).softmax(dim=-1, dtype=torch.float32)  # (T, E)
     weights, experts = probs.topk(arch.num_experts_per_tok, dim=-1)  # (T, k) each
     if arch.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return experts, weights.to(h.dtype)
+
+
+def _sigmoid_route(h: torch.Tensor, router: torch.Tensor, arch: ModelArch,
+                   bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing: sigmoid scores; the selection bias added to choose only; the `topk_group`
+    groups whose two best biased scores sum highest, then the top-k experts inside them; the chosen raw
+    scores renormalised and times `routed_scaling_factor`."""
+    scores = F.linear(h.float(), router.float()).sigmoid()  # (T, E)
+    choice = scores + bias.float()
+    if arch.n_group > 1:
+        groups = choice.view(-1, arch.n_group, arch.num_experts // arch.n_group)
+        best = groups.topk(2, dim=-1)[0].sum(dim=-1).topk(arch.topk_group, dim=-1, sorted=False)[1]  # (T, topk_group)
+        keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (T, n_group)
+        choice = choice.masked_fill(~keep.repeat_interleave(arch.num_experts // arch.n_group, dim=1), float("-inf"))
+    experts = choice.topk(arch.num_experts_per_tok, dim=-1, sorted=False)[1]  # (T, k)
+    weights = scores.gather(1, experts)
+    if arch.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, (weights * arch.routed_scaling_factor).to(h.dtype)
 
 
 def grouped_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -119,7 +148,7 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
     """
     T, H = h.shape
     k = arch.num_experts_per_tok
-    experts, weights = route(h, lw.router, arch)  # (T, k)
+    experts, weights = route(h, lw.router, arch, lw.router_bias)  # (T, k)
     flat = experts.flatten()  # (T k,): assignment j is token j // k's (j % k)-th expert
     order = flat.argsort(stable=True)  # assignments grouped by expert
     counts = torch.bincount(flat, minlength=arch.num_experts)  # (E,) assignments per expert
@@ -142,8 +171,8 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
     by_token = torch.empty_like(y)
     by_token[order] = y  # back in assignment order
     out = torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum
-    if lw.shared_gate_up is not None:  # Qwen2-MoE: every token also runs the shared expert, gated
+    if lw.shared_gate_up is not None:  # every token also runs the shared expert(s): Qwen's gated
         gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
         shared = F.linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
-        out += torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # the gate (T, 1) is replicated
+        out += shared if lw.shared_gate is None else torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # gate (T, 1)
     return out

@@ -2,7 +2,8 @@
 
 q/k/v are fused into one column-parallel matrix and gate/up into another, so a layer runs two
 matmuls where the checkpoint has five; shapes are per rank. An MoE layer's MLP holds its router
-and its experts instead (talaria/executor/moe.py). A hybrid model's Gated DeltaNet layer holds its
+and its experts instead (talaria/executor/moe.py). An MLA layer (DeepSeek-V3, GLM-5) holds its latent
+projections instead of q/k/v (talaria/executor/mla.py). A hybrid model's Gated DeltaNet layer holds its
 linear-attention weights instead of q/k/v and o_proj (talaria/executor/deltanet.py); its attention
 layers' q rows carry each head's output gate after its query (the checkpoint's q_proj order). The rank reads only its slices, straight into
 the arena (talaria/executor/checkpoint.py).
@@ -18,6 +19,7 @@ import torch
 from talaria.executor.arena import Arena, align_up
 from talaria.executor.checkpoint import Progress, ShardReader
 from talaria.executor.deltanet import deltanet_shapes, load_deltanet
+from talaria.executor.mla import load_mla, mla_shapes
 from talaria.executor.moe import load_moe, moe_shapes
 from talaria.executor.parallel import Shard
 
@@ -36,6 +38,7 @@ class LayerWeights:
     down: torch.Tensor | None = None  # (H, I_local)
     # an MoE layer's MLP (None in a dense layer): E experts, top-k routing
     router: torch.Tensor | None = None  # (E, H), replicated
+    router_bias: torch.Tensor | None = None  # (E,), replicated: sigmoid routing's selection bias
     experts_gate_up: torch.Tensor | None = None  # (E, 2 * Im_local, H): each expert's gate rows, then up rows
     experts_down: torch.Tensor | None = None  # (E, H, Im_local)
     shared_gate_up: torch.Tensor | None = None  # (2 * Is_local, H): Qwen2-MoE's shared expert
@@ -51,6 +54,14 @@ class LayerWeights:
     la_A_log: torch.Tensor | None = None  # (Hv,)
     la_norm: torch.Tensor | None = None  # (dv,), replicated
     la_out: torch.Tensor | None = None  # (H, Hv dv): row-parallel
+    # an MLA layer's attention (None elsewhere; mla.py), per rank: hl heads; o_proj above is its output
+    mla_a: torch.Tensor | None = None  # (q_lora + latent + rope [+ index d + index heads], H), replicated
+    mla_q_norm: torch.Tensor | None = None  # (q_lora,)
+    mla_q_b: torch.Tensor | None = None  # (hl (nope + rope), q_lora or H)
+    mla_kv_norm: torch.Tensor | None = None  # (latent,)
+    mla_kv_b: torch.Tensor | None = None  # (hl (nope + v), latent)
+    idx_q: torch.Tensor | None = None  # (index heads * index d, q_lora): the sparse-attention indexer's queries
+    idx_k_norm: torch.Tensor | None = None  # (2, index d): its key LayerNorm's weight and bias
 
 
 @dataclass(slots=True)
@@ -67,6 +78,8 @@ def _layer_shapes(shard: Shard, layer: int) -> list[tuple[int, ...]]:
     h, qkv = a.hidden_size, (shard.heads * (2 if a.attn_output_gate else 1) + 2 * shard.kv_heads) * hd
     if a.is_linear_layer(layer):
         shapes = [(h,), (h,), *deltanet_shapes(shard)]
+    elif a.is_mla:
+        shapes = [(h,), (h,), *mla_shapes(shard, layer)]
     else:
         shapes = [(h,), (qkv, h), (h, shard.heads * hd), (h,)]
         shapes += [(qkv,)] if a.attention_bias else []
@@ -162,6 +175,10 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
             post_norm = read(post[0], shape=(h,), what=post[1])
             lw = LayerWeights(input_norm, None, None, None, None, None, post_norm,
                               **load_deltanet(ckpt, p + "linear_attn.", shard, alloc))
+        elif arch.is_mla:
+            mla = load_mla(ckpt, a, shard, i, alloc)
+            lw = LayerWeights(input_norm, None, None, None, None, mla.pop("o_proj"), read(post[0], shape=(h,), what=post[1]),
+                              **mla)
         else:
             qkv = [(a + "q_proj.", q[0] * gated, q[1] * gated), (a + "k_proj.", *kv), (a + "v_proj.", *kv)]
             lw = LayerWeights(

@@ -28,7 +28,7 @@ def layer(dtype: torch.dtype) -> SimpleNamespace:
         return (torch.randn(shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5).to(dtype)
     router = w(E, H)
     router[5] -= 100.0  # expert 5 is never chosen: the grouped GEMM gets an empty group
-    return SimpleNamespace(router=router, experts_gate_up=w(E, 2 * I, H), experts_down=w(E, H, I),
+    return SimpleNamespace(router=router, router_bias=None, experts_gate_up=w(E, 2 * I, H), experts_down=w(E, H, I),
                            shared_gate_up=w(2 * S, H), shared_down=w(H, S), shared_gate=w(1, H))
 
 

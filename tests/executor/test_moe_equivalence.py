@@ -211,8 +211,8 @@ def test_tp_group_switches_and_restores_equal_transformers(refs, profile_for, tp
 
 
 def test_unsupported_model_types_are_refused_with_the_reason(tmp_path):
-    glm5 = "GLM-5 uses multi-head latent attention (MLA) and DeepSeek sparse attention (DSA)"
-    for model_type, words in (("glm_moe_dsa", glm5), ("qwen3_5", "dense Qwen3.5 is not served yet"),
+    v32 = "DeepSeek-V3.2's sparse attention indexer"
+    for model_type, words in (("deepseek_v32", v32), ("qwen3_5", "dense Qwen3.5 is not served yet"),
                               ("gemma3", "Talaria serves llama")):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "num_attention_heads": 4}))
         with pytest.raises(ModelSourceError, match=f"model_type '{model_type}' is not supported.*{re.escape(words)}"):
