@@ -12,20 +12,24 @@ sequences are preempted), `max_running`, `max_batch_tokens` (chunked prefill), a
 0-16 slabs (restores shrink, slabs are evicted) or a roomy one, staging in 4 or 16 KiB chunks or
 none (KV dirties staged chunks), the round length, and always `debug_poison`: a stale read is NaN.
 
-The five models: the synthetic llama, qwen2 and qwen3 of tests/tiny_models.py's SHAPES, and the two
+The seven models: the synthetic llama, qwen2 and qwen3 of tests/tiny_models.py's SHAPES, the two
 hybrid families, qwen3_next and qwen3_5_moe (Gated DeltaNet layers keeping a recurrent state beside
-gated attention layers keeping pages, MoE), built with transformers by tests/hybrid_models.py, saved
-into the work directory and loaded from there (max_position_embeddings 512, as the synthetic ones).
+gated attention layers keeping pages, MoE), built with transformers by tests/hybrid_models.py, and the
+two MLA families, deepseek_v3 and glm_moe_dsa (a latent cache; GLM's sparse-attention indexer choosing
+12 tokens a query, its keys cached too; sigmoid group-limited routing), built by tests/mla_models.py;
+the transformers-built ones saved into the work directory and loaded from there
+(max_position_embeddings 512, as the synthetic ones).
 A hybrid resumes only at a published state snapshot, so its prefix hits, host restores, preemptions
 and switches take the state paths; the mechanism table counts each mechanism that involved a hybrid
-again as `hybrid_<mechanism>` (preemption per model in tp1 only).
+again as `hybrid_<mechanism>`, and one that involved an MLA model as `mla_<mechanism>` (preemption
+per model in tp1 only).
 
 Three kinds of trial:
 
 * tp1 (most): in-process, the Driver a rank-0 worker runs, stepped by hand; between steps the trial
   forces switches (`scheduler.force_switch`) and retargets staging (`scheduler.stage_next`).
 * tp2: an EngineGroup of two workers over gloo, reused for a block of trials (its instance drawn per
-  block: a hybrid, the two taking turns, a synthetic model and sometimes a third); the sessions run
+  block: a transformers-built model, taking turns, a synthetic model and sometimes a third); the sessions run
   as concurrent tasks while another task forces switches (`group.switch`).
 * kill: a real `talaria up` (hot-0: TP=1, qwen3_next; cold-0: TP=2, llama, qwen3 and qwen3_5_moe).
   While calls stream (sometimes during an admin switch, with more calls sent just after), SIGKILL
@@ -36,7 +40,7 @@ Three kinds of trial:
 
 The checks: a completed call's tokens equal the reference's greedy tokens for its prompt; a cancelled
 call's tokens are a prefix of them. The reference of a synthetic model is `ReferenceLlama.greedy`
-(tests/executor/reference.py, a plain cache-free recompute); of a hybrid, transformers' own float64
+(tests/executor/reference.py, a plain cache-free recompute); of a hybrid or MLA model, transformers' own float64
 `generate` on the model it was saved from (greedy, no eos_token_id, so exactly n tokens, as
 `ignore_eos` decodes). The HTTP API returns text, not token ids, so kill trials compare text (the
 reference's ids decoded by the model's byte tokenizer, token by token as the gateway streams) and the
@@ -96,7 +100,7 @@ from talaria.models.source import ModelFiles, prepare_model
 from talaria.models.tokenizer import Tokenizer
 from talaria.node.engine_group import EngineGroup
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
-from tests import hybrid_models
+from tests import hybrid_models, mla_models
 from tests.executor.reference import ReferenceLlama
 from tests.tiny_models import SHAPES, instance, tiny_files
 
@@ -107,7 +111,8 @@ VOCAB = SHAPES["llama"].vocab_size  # prompts draw from the whole vocabulary, sp
 MAX_SEQUENCE = 24 + 40 + 16 + 2 * (8 + 16)  # the longest sequence draw_sessions can make
 GAP_STEPS, GAP_S = 20, 0.05  # a turn's gap (drawn in [0, 1)) in engine steps (tp1) or seconds (tp2)
 SWITCH_P, STAGE_P = 0.08, 0.03  # tp1: per step, a forced switch / a staging retarget
-HYBRID_POSITIONS = 512  # the hybrids' max_position_embeddings: a kill trial's longest session fits, as in SHAPES
+HF_POSITIONS = 512  # the transformers-built models' max_position_embeddings: a kill trial's longest session fits
+HF_BUILDERS = {family: module for module in (hybrid_models, mla_models) for family in module.FAMILIES}
 KILL_INSTANCES = {"hot-0": ("tiny-qwen3_next",), "cold-0": ("tiny-llama", "tiny-qwen3", "tiny-qwen3_5_moe")}  # tp 1, 2
 COUNTS = ("trials", "calls", "matched", "cancelled", "divergent_calls", "divergent_tokens", "clean_failures",
           "unexpected_failures", "unclean_failures", "hangs")
@@ -201,16 +206,16 @@ def trial_rng(seed: int, kind: str, index: int) -> random.Random:
 
 # ---- the reference and the tally ---------------------------------------------------------------
 
-def build_hybrids(directory: Path) -> dict[str, tuple[ModelFiles, object]]:
-    """The two hybrid families (tests/hybrid_models.py): each built in float64 with transformers, saved
-    under `directory` and loaded from there as `talaria up` would; with its transformers model, the
-    reference. max_position_embeddings is raised to HYBRID_POSITIONS (RoPE has no scaling, so only the
-    engine's context limit changes) so that a kill trial's long calls fit."""
+def build_hf_models(directory: Path) -> dict[str, tuple[ModelFiles, object]]:
+    """The hybrid and MLA families (tests/hybrid_models.py, tests/mla_models.py): each built in float64
+    with transformers, saved under `directory` and loaded from there as `talaria up` would; with its
+    transformers model, the reference. max_position_embeddings is raised to HF_POSITIONS (RoPE has
+    no scaling, so only the engine's context limit changes) so that a kill trial's long calls fit."""
     out = {}
-    for family in hybrid_models.FAMILIES:
+    for family, module in HF_BUILDERS.items():
         name = f"tiny-{family}"
-        model = hybrid_models.build(family, max_position_embeddings=HYBRID_POSITIONS)
-        hybrid_models.save(model, directory / name)
+        model = module.build(family, max_position_embeddings=HF_POSITIONS)
+        module.save(model, directory / name)
         out[name] = (prepare_model(ModelConfig(name=name, source=str(directory / name), dtype="float64"), None), model)
     return out
 
@@ -220,11 +225,16 @@ def hybrid_names(files) -> set[str]:
     return {f.name for f in files if f.arch.family in hybrid_models.FAMILIES}
 
 
+def model_kinds(files) -> dict[str, set[str]]:
+    """The models whose mechanisms the table counts apart: hybrids, and MLA models (a latent cache)."""
+    return {"hybrid": hybrid_names(files), "mla": {f.name for f in files if f.arch.family in mla_models.FAMILIES}}
+
+
 class Oracle:
     """The reference's greedy tokens per (model, prompt), memoized (a shorter answer is a prefix of a
     longer one), and their text as the gateway streams it. The reference is `ReferenceLlama.greedy`
     (a cache-free recompute) for the synthetic families and transformers' own float64 `generate` for
-    the hybrids (`hf`: name -> the transformers model)."""
+    the hybrid and MLA models (`hf`: name -> the transformers model)."""
 
     def __init__(self, files: list[ModelFiles], hf: dict) -> None:
         self._refs = {f.name: ReferenceLlama(f.directory).greedy for f in files if f.name not in hf}
@@ -317,15 +327,16 @@ class Tally:
                 f"{c['hangs']} hangs")
 
 
-def mechanisms(events: list, usages: list, hybrids: set[str]) -> set[str]:
+def mechanisms(events: list, usages: list, kinds: dict[str, set[str]]) -> set[str]:
     """What a trial exercised, from the instance's events and its calls' (model, usage) records; each
-    mechanism that involved a hybrid model (`hybrids`) is also counted as `hybrid_<mechanism>` (a
-    hybrid's prefix hit or host restore resumes at a published state snapshot)."""
+    mechanism that involved a model of a kind in `kinds` (`model_kinds`) is also counted as
+    `<kind>_<mechanism>` (a hybrid's prefix hit or host restore resumes at a published state snapshot;
+    an MLA model's moves its latents and index keys)."""
     seen = set()
 
     def saw(mechanism: str, *models: str | None) -> None:
         seen.add(mechanism)
-        seen.update({f"hybrid_{mechanism}"} if hybrids.intersection(models) else ())
+        seen.update(f"{kind}_{mechanism}" for kind, names in kinds.items() if names.intersection(models))
 
     for e in events:
         kind = e.kind.value
@@ -430,10 +441,11 @@ def tp1_trial(index: int, files: list[ModelFiles], oracle: Oracle, tally: Tally,
         for rid in live:
             tally.failure("tp1", index, rid, False, "exception", traceback.format_exc())
     stats = core.stats()
-    hybrids = hybrid_names(chosen)
-    seen |= mechanisms(core.scheduler.drain_events(), usages, hybrids)
+    kinds = model_kinds(chosen)
+    seen |= mechanisms(core.scheduler.drain_events(), usages, kinds)
     seen.update({"preemption"} if stats.preemptions else ())
-    seen.update({"hybrid_preemption"} if any(core.scheduler.batchers[m].preemptions for m in hybrids) else ())
+    seen.update(f"{kind}_preemption" for kind, names in kinds.items()
+                if any(core.scheduler.batchers[m].preemptions for m in names))
     host = core.scheduler.memory.host
     seen.update({"host_kv_eviction"} if host is not None and host.stats().evictions else ())
     tally.mechanisms["tp1"].update(seen)
@@ -467,9 +479,10 @@ class GroupWatch:
 async def tp2_block(block: int, indices: range, files: list[ModelFiles], oracle: Oracle, tally: Tally,
                     arenas: Arenas, profile: Path, deadline_s: float, log) -> None:
     rng = random.Random(f"{tally.seed}/tp2-block/{block}")
-    # every group serves a hybrid (the two take turns, block by block) and a synthetic model, sometimes a third
-    hybrids = [f for f in files if f.name in hybrid_names(files)]
-    chosen = [hybrids[block % len(hybrids)], rng.choice([f for f in files if f not in hybrids])]
+    # every group serves a transformers-built model (they take turns, block by block) and a synthetic one,
+    # sometimes a third
+    built = [f for f in files if f.arch.family in HF_BUILDERS]
+    chosen = [built[block % len(built)], rng.choice([f for f in files if f not in built])]
     chosen += rng.sample([f for f in files if f not in chosen], rng.choice((0, 1)))
     rng.shuffle(chosen)
     config = draw_instance(rng, chosen, 2, MAX_SEQUENCE, arenas, profile)
@@ -569,7 +582,7 @@ async def tp2_trial(index: int, group: EngineGroup, names: list[str], oracle: Or
     await asyncio.gather(*(session(s) for s in sessions))
     done.set()
     await switches
-    found |= mechanisms(watch.events, usages, hybrid_names(group.models))
+    found |= mechanisms(watch.events, usages, model_kinds(group.models))
     found.update({"preemption"} if group.stats and group.stats.preemptions > preempted else ())
     tally.mechanisms["tp2"].update(found)
 
@@ -579,10 +592,10 @@ async def tp2_trial(index: int, group: EngineGroup, names: list[str], oracle: Or
 def kill_config(files: dict[str, ModelFiles], arenas: Arenas, profile: Path) -> str:
     """hot-0 (TP=1, a hybrid) and cold-0 (TP=2, two synthetic models and a hybrid): pages of 8 tokens,
     96 per model and 8 host slabs, so concurrent long calls preempt each other; poison on, one torch
-    thread per worker. The synthetic models are declared by shape, the hybrids by their directory."""
+    thread per worker. The synthetic models are declared by shape, the others by their directory."""
     models = ""
     for name in (m for served in KILL_INSTANCES.values() for m in served):
-        if name in hybrid_names(files.values()):
+        if files[name].arch.family in HF_BUILDERS:
             models += f'[[models]]\nname = "{name}"\nsource = {json.dumps(str(files[name].directory))}\n' \
                       'dtype = "float64"\n\n'
             continue
@@ -852,10 +865,10 @@ def result(tally: Tally, counts: dict, args, log, load_start: float) -> dict:
         "tp2_forced_switches_stopped_at": None if tally.switch_hang_at == float("inf") else tally.switch_hang_at,
         "config": {"seed": args.seed, "planned": counts, "first": args.first, "deadline_s": args.deadline_s,
                    "tp2_block": TP2_BLOCK, "dtype": "float64", "shapes": {k: vars_of(s) for k, s in SHAPES.items()},
-                   "hybrids": {f"tiny-{family}": hybrid_models.TINY | {"max_position_embeddings": HYBRID_POSITIONS}
-                               for family in hybrid_models.FAMILIES},
+                   "transformers_built": {f"tiny-{family}": module.TINY | {"max_position_embeddings": HF_POSITIONS}
+                                          for family, module in HF_BUILDERS.items()},
                    "checks": "token ids (tp1, tp2), text and token count (kill), against ReferenceLlama.greedy "
-                             "(synthetic families) or transformers' float64 generate (hybrids)",
+                             "(synthetic families) or transformers' float64 generate (hybrid and MLA families)",
                    "kill_config": tally.kill_config},
         **environment(log, load_start),
     }
@@ -886,9 +899,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         files = [tiny_files(family, None) for family in SHAPES]  # into ~/.cache/talaria, as `talaria up` does
-        hybrids = build_hybrids(workdir / "models")
-        files += [f for f, _ in hybrids.values()]
-        oracle, arenas = Oracle(files, {name: model for name, (_, model) in hybrids.items()}), Arenas()
+        built = build_hf_models(workdir / "models")
+        files += [f for f, _ in built.values()]
+        oracle, arenas = Oracle(files, {name: model for name, (_, model) in built.items()}), Arenas()
         log(f"calibrating a cost profile once for {', '.join(f.name for f in files)}; plan {counts}; "
             f"seed {args.seed}; load average {load_start:.2f}")
         profile = workdir / "profile.toml"

@@ -52,33 +52,6 @@ def check_files(cfg: TalariaConfig) -> list[str]:
     return info
 
 
-def params_per_rank(arch: ModelArch, tp: int) -> int:
-    """Parameters one of `tp` ranks holds, as the engine shards them (an estimate to size arenas).
-
-    Attention and MLP projections are split over tp (a KV head is replicated when tp exceeds the
-    KV heads), embedding and LM head are split by vocabulary (rounded up), norms are replicated.
-    An MoE layer holds every expert's slice of the expert width (and of the shared expert's), the
-    router and the shared expert's gate whole (docs/moe.md).
-    """
-    h = arch.hidden_size
-    q, kv = math.ceil(arch.q_size / tp), arch.head_dim * math.ceil(arch.num_kv_heads / tp)
-    gated = 2 if arch.attn_output_gate else 1
-    attn = h * (q * gated + 2 * kv) + q * h
-    attn += (q * gated + 2 * kv if arch.attention_bias else 0) + (2 * arch.head_dim if arch.qk_norm else 0)
-    # a Gated DeltaNet layer: its projections, convolution and per-head parameters split by key head
-    kd, vd = math.ceil(arch.linear_key_dim / tp), math.ceil(arch.linear_value_dim / tp)
-    vh, conv = math.ceil(arch.linear_num_value_heads / tp), 2 * kd + vd
-    linear = h * (conv + vd + 2 * vh) + conv * arch.linear_conv_kernel_dim + 2 * vh + arch.linear_value_head_dim + vd * h
-    mixers = sum(linear if arch.is_linear_layer(i) else attn for i in range(arch.num_layers))
-    dense = 3 * h * math.ceil(arch.intermediate_size / tp)
-    moe = arch.num_experts * (h + 3 * h * math.ceil(arch.moe_intermediate_size / tp))
-    if arch.shared_expert_intermediate_size:
-        moe += 3 * h * math.ceil(arch.shared_expert_intermediate_size / tp) + h
-    mlps = sum(moe if arch.is_moe_layer(i) else dense for i in range(arch.num_layers))
-    emb = math.ceil(arch.vocab_size / tp) * h
-    return mixers + arch.num_layers * 2 * h + mlps + emb * (1 if arch.tie_word_embeddings else 2) + h
-
-
 def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:
     archs = {}
     for m in cfg.models:
@@ -93,8 +66,10 @@ def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[s
             probs.add(f"[[models]] {toml_value(m.name)}", str(e))
             continue
         a = archs[m.name]
-        info.append(f'model "{m.name}": {a.family}, {a.param_count() / 1e6:.1f}M parameters, '
-                    f"{a.num_heads} query / {a.num_kv_heads} KV heads, context {a.max_position}")
+        heads = f"{a.num_heads} heads on a latent of {a.kv_lora_rank} + {a.qk_rope_head_dim} (MLA)" if a.is_mla else \
+            f"{a.num_heads} query / {a.num_kv_heads} KV heads"
+        info.append(f'model "{m.name}": {a.family}, {a.param_count() / 1e6:.1f}M parameters, {heads}, '
+                    f"context {a.max_position}")
     return archs
 
 
@@ -111,7 +86,7 @@ def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, Mode
         dtype = cfg.model(name).dtype
         layout = kv_layout(arch, inst.tp, inst.page_size, dtype)
         slots = layout.state_slots(inst.max_running)
-        need[name] = (params_per_rank(arch, inst.tp) * DTYPE_BYTES[dtype], slots * layout.state_bytes,
+        need[name] = (arch.param_count(inst.tp) * DTYPE_BYTES[dtype], slots * layout.state_bytes,
                       layout.page_bytes)
         caches.append(f'instance "{inst.name}" model "{name}" cache: {layout.describe()}'
                       + (f"; {slots} state slots" if slots else ""))
@@ -182,7 +157,7 @@ def check_host_memory(cfg: TalariaConfig, archs: dict[str, ModelArch], ram: int,
     """
     shares = []  # (bytes, instance, what it holds per rank)
     for inst in cfg.instances:
-        images = sum(params_per_rank(archs[m], inst.tp) * DTYPE_BYTES[cfg.model(m).dtype] for m in inst.models)
+        images = sum(archs[m].param_count(inst.tp) * DTYPE_BYTES[cfg.model(m).dtype] for m in inst.models)
         parts = {"weight images": images, "host KV": inst.host_kv_bytes}
         if inst.device is Device.CPU:
             parts["CPU arena"] = inst.arena_bytes

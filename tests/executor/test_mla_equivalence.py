@@ -8,6 +8,7 @@ matters), prompts prefilled in page-sized chunks, prefix hits, forced switches a
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -18,6 +19,8 @@ from talaria.contracts.arch import ModelArch
 from talaria.contracts.call import InstanceCall
 from talaria.contracts.kv_layout import kv_layout
 from talaria.executor.moe import route
+from talaria.executor.parallel import Shard
+from talaria.executor.weights import weight_shapes
 from talaria.models.source import ModelFiles, prepare_model
 from tests.executor.group_turns import group_turns
 from tests.executor.hand_profile import write_profile
@@ -79,6 +82,19 @@ def test_the_layout_caches_the_latent_and_the_index_keys(refs):
         assert layout.tensor("index_k").layers == (0, 2)  # the shared layer keeps no keys of its own
         assert layout.page_bytes == PS * 8 * (3 * 24 + 2 * 16)
     assert kv_layout(refs["dsv3"].files.arch, 2, PS, "float64").token_bytes == 3 * 24 * 8
+
+
+def test_parameters_per_rank_are_what_the_ranks_load(hf_models, refs):
+    """`param_count` (preflight's arena sizing) counts the checkpoint at tp 1 (the MTP-free model, the
+    routers' selection bias included) and, at tp 2 and 4, exactly the tensors a rank allocates."""
+    for name, hf in hf_models.items():
+        arch = refs[name].files.arch
+        stored = sum(p.numel() for p in hf.parameters()) + sum(b.numel() for n, b in hf.named_buffers()
+                                                               if n.endswith("e_score_correction_bias"))
+        assert arch.param_count() == stored, name
+        for tp in (2, 4):
+            shapes = weight_shapes(Shard(0, tp, arch))
+            assert arch.param_count(tp) == sum(math.prod(s) for s in shapes), (name, tp)
 
 
 def test_group_limited_routing_keeps_to_the_best_groups(hf_models):
@@ -150,3 +166,19 @@ def test_tp_group_switches_and_restores_equal_transformers(refs, profile_for, tp
     for (name, turn), (prompt, toks, usage) in results.items():
         assert toks == refs[name].greedy(prompt), f"{name} turn {turn} tp={tp}"
     assert INDEXER["index_topk"] < len(LONG)
+
+
+def test_yarn_rope_and_its_softmax_scale_equal_transformers(tmp_path, profile_for):
+    """DeepSeek-V3 ships YaRN: frequencies blended by the ramp, cos/sin and the softmax scale by mscale."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.7, "mscale_all_dim": 1.0}
+    hf = build("deepseek_v3", rope_parameters=yarn)
+    save(hf, tmp_path / "yarn")
+    files = prepare_model(ModelConfig(name="yarn", source=str(tmp_path / "yarn"), dtype="float64"), None)
+    assert files.arch.rope_scaling["rope_type"] == "yarn"
+    core = engine([files], page_size=PS, host_kv_bytes=0, profile=profile_for([files], 1))
+    ref = Reference(files, hf_greedy(hf))
+    outs = run(core, [InstanceCall(str(i), "yarn", tuple(p), GREEDY) for i, p in enumerate((LONG, PROMPTS["dsv3"]))])
+    assert [tokens(outs[str(i)]) for i in range(2)] == [ref.greedy(LONG), ref.greedy(PROMPTS["dsv3"])]
+    plain = Reference(files, hf_greedy(build("deepseek_v3")))
+    assert plain.greedy(LONG) != ref.greedy(LONG), "YaRN changed nothing: the case does not discriminate"

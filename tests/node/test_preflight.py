@@ -15,7 +15,7 @@ from talaria.config.schema import SyntheticShape
 from talaria.config.tables import format_size
 from talaria.contracts.arch import ModelArch
 from talaria.models.synthetic import synthetic_arch
-from talaria.node.preflight import check_files, params_per_rank
+from talaria.node.preflight import check_files
 from tests.config.test_loader import _minimal
 
 
@@ -25,12 +25,6 @@ def test_shipped_default_passes_the_file_checks() -> None:
     assert any('model "smollm2"' in line and "query / 3 KV heads" in line for line in info)
 
 
-def test_params_per_rank_at_tp1_is_the_whole_model() -> None:
-    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-        arch = synthetic_arch(SyntheticShape(family=family, decoder_sparse_step=2, num_layers=4))
-        assert params_per_rank(arch, 1) == arch.param_count(), family
-
-
 def test_moe_ranks_hold_every_expert_sliced_and_the_router_whole() -> None:
     moe = synthetic_arch(SyntheticShape(family="qwen2_moe", num_layers=2, num_experts=8, moe_intermediate_size=32,
                                         shared_expert_intermediate_size=64))
@@ -38,18 +32,18 @@ def test_moe_ranks_hold_every_expert_sliced_and_the_router_whole() -> None:
     h, i = dense.hidden_size, dense.intermediate_size
     for tp in (1, 2):
         moe_mlp = 8 * (h + 3 * h * 32 // tp) + 3 * h * 64 // tp + h  # router and shared gate whole, widths sliced
-        assert params_per_rank(moe, tp) - params_per_rank(dense, tp) == 2 * (moe_mlp - 3 * h * i // tp), tp
+        assert moe.param_count(tp) - dense.param_count(tp) == 2 * (moe_mlp - 3 * h * i // tp), tp
 
 
 def test_params_per_rank_shards_all_but_norms_and_replicates_kv_heads_past_their_count() -> None:
     arch = synthetic_arch(SyntheticShape(hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=2,
                                          intermediate_size=128, vocab_size=320))
     norms = arch.num_layers * 2 * arch.hidden_size + arch.hidden_size
-    assert params_per_rank(arch, 2) == (arch.param_count() - norms) // 2 + norms
+    assert arch.param_count(2) == (arch.param_count() - norms) // 2 + norms
     # tp 4 > 2 KV heads: each rank keeps one whole KV head (16 dims) for k and v
     kv_per_rank = 2 * arch.num_layers * arch.hidden_size * 16
     q_o_mlp_emb = arch.param_count() - norms - 2 * arch.num_layers * arch.hidden_size * arch.kv_size
-    assert params_per_rank(arch, 4) == q_o_mlp_emb // 4 + kv_per_rank + norms
+    assert arch.param_count(4) == q_o_mlp_emb // 4 + kv_per_rank + norms
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -231,7 +225,7 @@ def test_host_memory_past_the_machines_ram_is_refused_with_the_numbers(tmp_path:
         check_files(cfg)
     (line,) = info.value.problems
     arch = synthetic_arch(SyntheticShape())
-    image = params_per_rank(arch, 2) * 4  # fp32
+    image = arch.param_count(2) * 4  # fp32
     per_rank = image + (64 << 40) + (1 << 30)  # image + host KV + the CPU arena (default 1 GiB)
     assert f"the ranks would hold {format_size(2 * per_rank)} of host memory" in line
     assert f"more than this machine's {format_size(ram)} of RAM" in line
