@@ -31,7 +31,8 @@ import torch
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}  # the last two: quantized weights and scales
 
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes this rank will read)
 
@@ -78,6 +79,12 @@ class ShardReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape tensor `name` has in the checkpoint."""
+        if name not in self._entries:
+            raise CheckpointError(f"the checkpoint has no tensor {name!r}; is it a checkpoint of this model?")
+        return self._entries[name].shape
 
     @property
     def planned_bytes(self) -> int:

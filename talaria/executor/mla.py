@@ -31,17 +31,16 @@ weights) are one fused matrix: one matmul where the checkpoint has four.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from talaria.executor.attention import AttentionMeta, DecodeBatch, _gather
-from talaria.executor.checkpoint import ShardReader
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.norms import layer_norm, rms_norm
 from talaria.executor.parallel import Shard
+from talaria.executor.quant import WeightReader, dense
 from talaria.executor.rope import apply_rope, apply_rope_interleaved
 
 Shape = tuple[int, ...]
@@ -61,36 +60,29 @@ def mla_shapes(shard: Shard, layer: int) -> list[Shape]:
     return shapes
 
 
-def load_mla(ckpt: ShardReader, prefix: str, shard: Shard, layer: int,
-             alloc: Callable[[Shape, str], torch.Tensor]) -> dict:
-    """One MLA layer's attention weights into arena views from `alloc(shape, what)`, in `mla_shapes`
-    order; `prefix` is "model.layers.{i}.self_attn.". Returns LayerWeights' MLA fields by name."""
-    a = shard.arch
-    lq, idx = a.q_lora_rank, a.has_indexer(layer)
+def load_mla(reader: WeightReader, prefix: str, shard: Shard, layer: int) -> dict:
+    """One MLA layer's attention weights into arena views from the reader (quantized ones packed), in
+    `mla_shapes` order; `prefix` is "model.layers.{i}.self_attn.". Returns LayerWeights' MLA fields."""
+    a, ckpt, alloc = shard.arch, reader.ckpt, reader.alloc
+    lq, idx, h = a.q_lora_rank, a.has_indexer(layer), a.hidden_size
     fused, q_b, kv_norm, kv_b, o_proj, *rest = mla_shapes(shard, layer)
-    out = {"mla_a": alloc(fused, prefix + "a_proj")}
-    row = 0
     parts = ([("q_a_proj.weight", lq)] if lq else []) + [("kv_a_proj_with_mqa.weight", a.latent_dim)]
     parts += [("indexer.wk.weight", a.index_head_dim), ("indexer.weights_proj.weight", a.index_n_heads)] if idx else []
-    for name, n in parts:
-        ckpt.read_into(out["mla_a"][row:row + n], prefix + name)
-        row += n
-    qk, nope_v = a.head_dim, a.qk_nope_head_dim + a.v_head_dim
+    out = {"mla_a": reader.stacked([(prefix + name, 0, n) for name, n in parts], (h,), prefix + "a_proj")}
+    qk, nope_v, v = a.head_dim, a.qk_nope_head_dim + a.v_head_dim, a.v_head_dim
     h0, h1 = shard.head_range
-    out["mla_q_b"] = alloc(q_b, prefix + "q_b_proj")
-    ckpt.read_into(out["mla_q_b"], prefix + ("q_b_proj.weight" if lq else "q_proj.weight"), 0, h0 * qk, h1 * qk)
+    out["mla_q_b"] = reader.linear(prefix + ("q_b_proj.weight" if lq else "q_proj.weight"), 0, h0 * qk, h1 * qk,
+                                   shape=q_b, what=prefix + "q_b_proj")
     out["mla_kv_norm"] = alloc(kv_norm, prefix + "kv_a_layernorm")
     ckpt.read_into(out["mla_kv_norm"], prefix + "kv_a_layernorm.weight")
-    out["mla_kv_b"] = alloc(kv_b, prefix + "kv_b_proj")
-    ckpt.read_into(out["mla_kv_b"], prefix + "kv_b_proj.weight", 0, h0 * nope_v, h1 * nope_v)
-    out["o_proj"] = alloc(o_proj, prefix + "o_proj")
-    ckpt.read_into(out["o_proj"], prefix + "o_proj.weight", 1, h0 * a.v_head_dim, h1 * a.v_head_dim)
+    out["mla_kv_b"] = reader.linear(prefix + "kv_b_proj.weight", 0, h0 * nope_v, h1 * nope_v, shape=kv_b,
+                                    what=prefix + "kv_b_proj")
+    out["o_proj"] = reader.linear(prefix + "o_proj.weight", 1, h0 * v, h1 * v, shape=o_proj, what=prefix + "o_proj")
     if lq:
         out["mla_q_norm"] = alloc(rest.pop(0), prefix + "q_a_layernorm")
         ckpt.read_into(out["mla_q_norm"], prefix + "q_a_layernorm.weight")
     if idx:
-        out["idx_q"] = alloc(rest[0], prefix + "indexer.wq_b")
-        ckpt.read_into(out["idx_q"], prefix + "indexer.wq_b.weight")
+        out["idx_q"] = reader.linear(prefix + "indexer.wq_b.weight", shape=rest[0], what=prefix + "indexer.wq_b")
         out["idx_k_norm"] = alloc(rest[1], prefix + "indexer.k_norm")  # weight, then bias
         ckpt.read_into(out["idx_k_norm"][0], prefix + "indexer.k_norm.weight")
         ckpt.read_into(out["idx_k_norm"][1], prefix + "indexer.k_norm.bias")
@@ -122,18 +114,18 @@ class MLA:
         lq, ld, r, nope = a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim
         indexed = a.has_indexer(layer)
         split = ([lq] if lq else []) + [ld, r] + ([a.index_head_dim, a.index_n_heads] if indexed else [])
-        parts = list(F.linear(h, lw.mla_a).split(split, dim=-1))
+        parts = list(F.linear(h, dense(lw.mla_a, h.dtype)).split(split, dim=-1))
         q_latent = rms_norm(parts.pop(0), lw.mla_q_norm, LATENT_NORM_EPS) if lq else h
         c = rms_norm(parts.pop(0), lw.mla_kv_norm, LATENT_NORM_EPS)  # (T, ld)
         k_rope = self.rope(parts.pop(0).unsqueeze(1), cos, sin).squeeze(1)  # (T, r)
-        q = F.linear(q_latent, lw.mla_q_b).view(T, hl, nope + r)
+        q = F.linear(q_latent, dense(lw.mla_q_b, h.dtype)).view(T, hl, nope + r)
         q = torch.cat((q[..., :nope], self.rope(q[..., nope:], cos, sin)), dim=-1)  # (T, hl, nope + r)
         latent = torch.cat((c, k_rope), dim=-1)  # (T, ld + r): what the cache holds
         cache = kv.view("latent", layer)  # (pages + 1, page_size, ld + r)
         cache.index_put_((meta.write_pages, meta.write_offsets), latent)
         if indexed:
             selection = self._select(q_latent, parts, lw, layer, cos, sin, meta, kv)
-        kv_b = lw.mla_kv_b.view(hl, nope + a.v_head_dim, ld)
+        kv_b = dense(lw.mla_kv_b, h.dtype).view(hl, nope + a.v_head_dim, ld)  # dequantized once for the layer
         out = torch.empty(T, hl, a.v_head_dim, dtype=h.dtype, device=h.device)
         for i, d in enumerate(meta.decodes):
             sel = selection.decodes[i] if selection is not None else None
@@ -146,7 +138,7 @@ class MLA:
             ctx = latent[p.row:p.row + p.q_len] if p.mask is None else _gather(cache, p.pages, 1, p.ctx)[0]
             sel = selection.prefills[i] if selection is not None else None
             out[p.row:p.row + p.q_len] = self._prefill(q[p.row:p.row + p.q_len], ctx, p.mask, kv_b, sel)
-        return F.linear(out.reshape(T, -1), lw.o_proj), selection
+        return F.linear(out.reshape(T, -1), dense(lw.o_proj, h.dtype)), selection
 
     def _prefill(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, kv_b: torch.Tensor,
                  sel: torch.Tensor | None) -> torch.Tensor:
@@ -194,7 +186,7 @@ class MLA:
         topk = a.index_topk
         if all(d.longest <= topk for d in meta.decodes) and all(p.ctx <= topk for p in meta.prefills):
             return Selection([None] * len(meta.prefills), [None] * len(meta.decodes))
-        q = F.linear(q_latent, lw.idx_q).view(T, a.index_n_heads, a.index_head_dim)
+        q = F.linear(q_latent, dense(lw.idx_q, q_latent.dtype)).view(T, a.index_n_heads, a.index_head_dim)
         q = torch.cat((self.rope_index(q[..., :r], cos, sin), q[..., r:]), dim=-1)  # (T, ih, d)
         w = head_w.float() * a.index_n_heads ** -0.5  # (T, ih)
         out = Selection()

@@ -19,14 +19,13 @@ transformers 5's fused tensors (`mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
-from talaria.executor.checkpoint import ShardReader
 from talaria.executor.parallel import Shard
+from talaria.executor.quant import QStack, WeightReader, dense
 
 Shape = tuple[int, ...]
 
@@ -41,30 +40,38 @@ def moe_shapes(shard: Shard) -> list[Shape]:
     return shapes
 
 
-def load_moe(ckpt: ShardReader, prefix: str, shard: Shard, alloc: Callable[[Shape, str], torch.Tensor]) -> dict:
-    """One MoE layer's MLP into arena views from `alloc(shape, what)`, in `moe_shapes` order.
+def load_moe(reader: WeightReader, prefix: str, shard: Shard) -> dict:
+    """One MoE layer's MLP into arena views from the reader's `alloc(shape, what)`, in `moe_shapes`
+    order (quantized experts stay packed: `QStack` of gate and up, `QWeight` down).
 
-    Each view is filled with this rank's slice of its checkpoint tensors (queued on `ckpt`: nothing
-    reads a whole expert, nor the whole fused tensor); `prefix` is "model.layers.{i}.mlp.". Returns
-    LayerWeights' MoE fields by name.
+    Each view is filled with this rank's slice of its checkpoint tensors (queued on the reader's
+    checkpoint: nothing reads a whole expert, nor the whole fused tensor); `prefix` is
+    "model.layers.{i}.mlp.". Returns LayerWeights' MoE fields by name.
     """
+    ckpt, alloc = reader.ckpt, reader.alloc
     a, h, im = shard.arch, shard.arch.hidden_size, shard.moe_intermediate
     i0, i1 = shard.width_range(im)
     full = a.moe_intermediate_size
     e = prefix + "experts."
     router = alloc((a.num_experts, h), prefix + "gate")
     ckpt.read_into(router, prefix + "gate.weight")
-    gate_up = alloc((a.num_experts, 2 * im, h), e + "gate_up")  # per expert: gate rows, then up rows
-    down = alloc((a.num_experts, h, im), e + "down")
-    if e + "gate_up_proj" in ckpt:  # fused: (E, 2I, H) and (E, H, I)
-        ckpt.read_into(gate_up[:, :im], e + "gate_up_proj", 1, i0, i1)
-        ckpt.read_into(gate_up[:, im:], e + "gate_up_proj", 1, full + i0, full + i1)
-        ckpt.read_into(down, e + "down_proj", 2, i0, i1)
+    n = a.num_experts
+    if reader.quantized(f"{e}0.gate_proj.weight"):  # one tensor per expert, each kept packed
+        gate_up = QStack([reader.experts(lambda x: f"{e}{x}.gate_proj.weight", n, 0, i0, i1, e + "gate"),
+                          reader.experts(lambda x: f"{e}{x}.up_proj.weight", n, 0, i0, i1, e + "up")])
+        down = reader.experts(lambda x: f"{e}{x}.down_proj.weight", n, 1, i0, i1, e + "down")
     else:
-        for x in range(a.num_experts):
-            ckpt.read_into(gate_up[x, :im], f"{e}{x}.gate_proj.weight", 0, i0, i1)
-            ckpt.read_into(gate_up[x, im:], f"{e}{x}.up_proj.weight", 0, i0, i1)
-            ckpt.read_into(down[x], f"{e}{x}.down_proj.weight", 1, i0, i1)
+        gate_up = alloc((n, 2 * im, h), e + "gate_up")  # per expert: gate rows, then up rows
+        down = alloc((n, h, im), e + "down")
+        if e + "gate_up_proj" in ckpt:  # fused: (E, 2I, H) and (E, H, I)
+            ckpt.read_into(gate_up[:, :im], e + "gate_up_proj", 1, i0, i1)
+            ckpt.read_into(gate_up[:, im:], e + "gate_up_proj", 1, full + i0, full + i1)
+            ckpt.read_into(down, e + "down_proj", 2, i0, i1)
+        else:
+            for x in range(n):
+                ckpt.read_into(gate_up[x, :im], f"{e}{x}.gate_proj.weight", 0, i0, i1)
+                ckpt.read_into(gate_up[x, im:], f"{e}{x}.up_proj.weight", 0, i0, i1)
+                ckpt.read_into(down[x], f"{e}{x}.down_proj.weight", 1, i0, i1)
     out = {"router": router, "experts_gate_up": gate_up, "experts_down": down}
     if a.router_scoring == "sigmoid":  # DeepSeek-V3's selection bias
         out["router_bias"] = alloc((a.num_experts,), prefix + "gate.e_score_correction_bias")
@@ -73,11 +80,9 @@ def load_moe(ckpt: ShardReader, prefix: str, shard: Shard, alloc: Callable[[Shap
         ish = shard.shared_intermediate
         s0, s1 = shard.width_range(ish)
         s = prefix + ("shared_expert." if a.shared_expert_gated else "shared_experts.")
-        out["shared_gate_up"] = alloc((2 * ish, h), s + "gate_up")
-        ckpt.read_into(out["shared_gate_up"][:ish], s + "gate_proj.weight", 0, s0, s1)
-        ckpt.read_into(out["shared_gate_up"][ish:], s + "up_proj.weight", 0, s0, s1)
-        out["shared_down"] = alloc((h, ish), s + "down")
-        ckpt.read_into(out["shared_down"], s + "down_proj.weight", 1, s0, s1)
+        out["shared_gate_up"] = reader.stacked([(s + "gate_proj.weight", s0, s1), (s + "up_proj.weight", s0, s1)],
+                                               (h,), s + "gate_up")
+        out["shared_down"] = reader.linear(s + "down_proj.weight", 1, s0, s1, shape=(h, ish), what=s + "down")
         if a.shared_expert_gated:
             out["shared_gate"] = alloc((1, h), prefix + "shared_expert_gate")
             ckpt.read_into(out["shared_gate"], prefix + "shared_expert_gate.weight")
@@ -148,6 +153,7 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
     """
     T, H = h.shape
     k = arch.num_experts_per_tok
+    grouped = grouped and isinstance(lw.experts_down, torch.Tensor)  # packed experts: one at a time, dequantized
     experts, weights = route(h, lw.router, arch, lw.router_bias)  # (T, k)
     flat = experts.flatten()  # (T k,): assignment j is token j // k's (j % k)-th expert
     order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -164,15 +170,15 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
             if n:
                 # the weight on the left and a transposed (n, K) matrix on the right: the layout in
                 # which BLAS runs these few-column products fastest (bench/engine.py's MoE row)
-                gate, up = (lw.experts_gate_up[e] @ x[start:start + n].t()).chunk(2)  # (I_local, n) each
+                gate, up = (dense(lw.experts_gate_up[e], h.dtype) @ x[start:start + n].t()).chunk(2)  # (I_local, n)
                 act = (F.silu(gate) * up).t().contiguous()  # (n, I_local)
-                y[start:start + n] = (lw.experts_down[e] @ act.t()).t()  # (n, H)
+                y[start:start + n] = (dense(lw.experts_down[e], h.dtype) @ act.t()).t()  # (n, H)
                 start += n
     by_token = torch.empty_like(y)
     by_token[order] = y  # back in assignment order
     out = torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum
     if lw.shared_gate_up is not None:  # every token also runs the shared expert(s): Qwen's gated
-        gate, up = F.linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
-        shared = F.linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
+        gate, up = F.linear(h, dense(lw.shared_gate_up, h.dtype)).chunk(2, dim=-1)  # (T, Is_local) each
+        shared = F.linear(F.silu(gate) * up, dense(lw.shared_down, h.dtype))  # (T, H), partial over ranks
         out += shared if lw.shared_gate is None else torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # gate (T, 1)
     return out

@@ -77,7 +77,7 @@ class ModelImage:
         self.files = files
         self.dtype = DTYPES[files.dtype]
         self.shard = Shard(group.rank, group.size, files.arch)
-        nbytes = weights_nbytes(self.shard, self.dtype)
+        nbytes = weights_nbytes(self.shard, self.dtype, files.directory)
         self.host = Arena(nbytes, "cpu", pin=pin)
         big = nbytes >= LOAD_PROGRESS_MIN_BYTES
         progress = print_progress(f"talaria: loading {files.name}") if group.rank == 0 and big else None

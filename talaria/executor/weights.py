@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from talaria.executor.arena import Arena, align_up
-from talaria.executor.checkpoint import Progress, ShardReader
+from talaria.executor.checkpoint import CheckpointError, Progress, ShardReader
 from talaria.executor.deltanet import deltanet_shapes, load_deltanet
 from talaria.executor.mla import load_mla, mla_shapes
 from talaria.executor.moe import load_moe, moe_shapes
 from talaria.executor.parallel import Shard
+from talaria.executor.quant import QStack, QuantFormat, QWeight, Weight, WeightReader
 
 
 @dataclass(slots=True)
@@ -97,8 +98,12 @@ def weight_shapes(shard: Shard) -> list[tuple[int, ...]]:
     return layers + [(shard.vocab, a.hidden_size)] * heads + [(a.hidden_size,)]
 
 
-def weights_nbytes(shard: Shard, dtype: torch.dtype) -> int:
-    """Arena bytes the shard's weights take: the size of the weights region and of its host image."""
+def weights_nbytes(shard: Shard, dtype: torch.dtype, directory: Path | None = None) -> int:
+    """Arena bytes the shard's weights take: the size of the weights region and of its host image.
+
+    For a quantized checkpoint in `directory` (talaria/executor/quant.py) the loader's own
+    allocations are counted, on the meta device: what is packed, how and where its slices start is
+    the checkpoint's to say, and reading it the way `load_weights` does is the one way to agree."""
     item = torch.tensor([], dtype=dtype).element_size()
     total = 0
     for shape in weight_shapes(shard):
@@ -106,7 +111,11 @@ def weights_nbytes(shard: Shard, dtype: torch.dtype) -> int:
         for d in shape:
             n *= d
         total += align_up(n)
-    return total
+    if directory is None or QuantFormat.of(directory) is None:
+        return total
+    dry = Arena(2 * total + (64 << 20), "meta")  # scales and their alignment never double a plain image
+    load_weights(directory, shard, dry, dtype, dry_run=True)
+    return dry.used_low
 
 
 def rebind(weights: ModelWeights, source: Arena, target: Arena) -> ModelWeights:
@@ -115,7 +124,11 @@ def rebind(weights: ModelWeights, source: Arena, target: Arena) -> ModelWeights:
     A model's host image and its device weights region share one layout, so a switch copies bytes
     and rebinds views; no tensor is re-created from the checkpoint.
     """
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+    def move(t: Weight | None) -> Weight | None:
+        if isinstance(t, QWeight):
+            return QWeight(t.kind, move(t.data), move(t.scale), move(t.scale2), t.block, t.offset)
+        if isinstance(t, QStack):
+            return QStack([move(p) for p in t.parts])
         return None if t is None else target.view_at(source.offset_of(t), tuple(t.shape), t.dtype)
 
     layers = [LayerWeights(*(move(getattr(lw, f)) for f in LayerWeights.__slots__)) for lw in weights.layers]
@@ -126,32 +139,22 @@ def rebind(weights: ModelWeights, source: Arena, target: Arena) -> ModelWeights:
 
 
 def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype,
-                 progress: Progress | None = None) -> ModelWeights:
-    """This rank's shard of the checkpoint in `directory`, allocated in `arena` in load order.
+                 progress: Progress | None = None, *, dry_run: bool = False) -> ModelWeights:
+    """This rank's shard of the checkpoint in `directory`, allocated in `arena` in load order;
+    linear weights the checkpoint stores quantized stay packed (talaria/executor/quant.py).
 
-    `progress(bytes read, bytes to read)` is called as the reads advance."""
+    `progress(bytes read, bytes to read)` is called as the reads advance. `dry_run`: allocate and
+    check every read, read nothing (`weights_nbytes` counts a quantized checkpoint's bytes so)."""
     ckpt = ShardReader(directory)
     arch, hd = shard.arch, shard.arch.head_dim
     h0, h1 = shard.head_range
     k0, k1 = shard.kv_head_range
 
-    def alloc(shape: tuple[int, ...], what: str) -> torch.Tensor:
-        return arena.alloc(shape, dtype, what=what)
+    def alloc(shape: tuple[int, ...], what: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return arena.alloc(shape, as_dtype or dtype, what=what)
 
-    def read(name: str, dim: int | None = None, start: int = 0, stop: int | None = None, *,
-             shape: tuple[int, ...], what: str) -> torch.Tensor:
-        out = alloc(shape, what)
-        ckpt.read_into(out, name, dim, start, stop)
-        return out
-
-    def stacked(parts: list[tuple[str, int, int]], tail: tuple[int, ...], what: str) -> torch.Tensor:
-        """Row ranges [a, b) of several tensors, one after another: a fused projection."""
-        out = alloc((sum(b - a for _, a, b in parts), *tail), what)
-        row = 0
-        for name, a, b in parts:
-            ckpt.read_into(out[row:row + b - a], name, 0, a, b)
-            row += b - a
-        return out
+    reader = WeightReader(ckpt, alloc, QuantFormat.of(directory))
+    read, stacked = reader.linear, reader.stacked
 
     def vocab_rows(name: str) -> torch.Tensor:
         v0, v1 = shard.vocab_range
@@ -173,10 +176,13 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
         post = (p + "post_attention_layernorm.weight", p + "post_attention_layernorm")  # (name, what)
         if arch.is_linear_layer(i):
             post_norm = read(post[0], shape=(h,), what=post[1])
+            if reader.quantized(p + "linear_attn.out_proj.weight"):
+                raise CheckpointError(f"{directory}: quantized Gated DeltaNet layers are not supported yet "
+                                      "(docs/models.md)")
             lw = LayerWeights(input_norm, None, None, None, None, None, post_norm,
                               **load_deltanet(ckpt, p + "linear_attn.", shard, alloc))
         elif arch.is_mla:
-            mla = load_mla(ckpt, a, shard, i, alloc)
+            mla = load_mla(reader, a, shard, i)
             lw = LayerWeights(input_norm, None, None, None, None, mla.pop("o_proj"), read(post[0], shape=(h,), what=post[1]),
                               **mla)
         else:
@@ -192,7 +198,7 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
                 post_norm=read(post[0], shape=(h,), what=post[1]),
             )
         if arch.is_moe_layer(i):
-            for field, tensor in load_moe(ckpt, p + "mlp.", shard, alloc).items():
+            for field, tensor in load_moe(reader, p + "mlp.", shard).items():
                 setattr(lw, field, tensor)
         else:
             i0, i1 = shard.width_range(shard.intermediate)
@@ -204,4 +210,5 @@ def load_weights(directory: Path, shard: Shard, arena: Arena, dtype: torch.dtype
     tied = arch.tie_word_embeddings or "lm_head.weight" not in ckpt
     norm = read(model + "norm.weight", shape=(h,), what=model + "norm")
     lm_head = embed if tied else vocab_rows("lm_head.weight")
-    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head, bytes_read=ckpt.run(progress))
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head,
+                        bytes_read=0 if dry_run else ckpt.run(progress))
