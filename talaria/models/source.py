@@ -32,6 +32,7 @@ from talaria.models.conversion_cache import (
 )
 from talaria.models.errors import ModelSourceError
 from talaria.models.gguf_file import GgufFile, GgufFormatError
+from talaria.models.weight_format import WeightFormat, weight_format
 from talaria.models.hf_dir import (
     CONFIG,
     GENERATION_CONFIG,
@@ -96,6 +97,15 @@ def model_arch(model: ModelConfig, base_dir: Path | None) -> ModelArch:
     if src.kind is SourceKind.HF_DIR:
         return _hf_arch(model, src.path)
     return _named(model, _gguf_header_arch, src.path)
+
+
+def model_weight_format(model: ModelConfig, base_dir: Path | None, dtype_bytes: int) -> WeightFormat:
+    """How the model's checkpoint stores its weights (quantized or plain), from its files' headers;
+    converted sources (GGUF, synthetic) are plain in the model dtype."""
+    src = resolve_source(model, base_dir)
+    if src.kind is SourceKind.HF_DIR:
+        return _named(model, weight_format, src.path, dtype_bytes)
+    return WeightFormat("plain", "", 1.0)
 
 
 def prepare_model(model: ModelConfig, base_dir: Path | None, cache_dir: Path | None = None,

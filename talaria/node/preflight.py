@@ -33,18 +33,18 @@ def check_files(cfg: TalariaConfig) -> list[str]:
     `ConfigError` listing every problem.
     """
     probs, info = Problems(str(cfg.path) if cfg.path is not None else "<config>"), []
-    archs = _model_archs(cfg, probs, info)
+    archs, ratios = _model_archs(cfg, probs, info)
     for inst in cfg.instances:
         where = f"[[instances]] {toml_value(inst.name)}"
         known = {m: archs[m] for m in inst.models if m in archs}
         check_tp(inst, known, where, probs)
         fitting = {m: a for m, a in known.items() if not tp_misfits(inst.tp, a)}
-        _check_arena(cfg, inst, fitting, where, probs, info)
+        _check_arena(cfg, inst, fitting, ratios, where, probs, info)
     cuda = [i for i in cfg.instances if i.device is Device.CUDA]
     if cuda:
         _check_cuda(cuda, probs, info)
     if len(archs) == len(cfg.models):  # an unreadable model's size is unknown: its problem comes first
-        check_host_memory(cfg, archs, psutil.virtual_memory().total, probs, info)
+        check_host_memory(cfg, archs, psutil.virtual_memory().total, probs, info, ratios)
     for m in cfg.models:
         if not cfg.instances_serving(m.name):
             info.append(f'note: model "{m.name}" is in [[models]] but no instance serves it')
@@ -52,29 +52,43 @@ def check_files(cfg: TalariaConfig) -> list[str]:
     return info
 
 
-def _model_archs(cfg: TalariaConfig, probs: Problems, info: list[str]) -> dict[str, ModelArch]:
-    archs = {}
+def weight_bytes(arch: ModelArch, tp: int, dtype: str, ratio: float = 1.0) -> int:
+    """Weight bytes one of `tp` ranks holds: its parameters in `dtype`, times a quantized
+    checkpoint's ratio of packed to plain bytes (talaria/models/weight_format.py)."""
+    return math.ceil(arch.param_count(tp) * DTYPE_BYTES[dtype] * ratio)
+
+
+def _model_archs(cfg: TalariaConfig, probs: Problems,
+                 info: list[str]) -> tuple[dict[str, ModelArch], dict[str, float]]:
+    """Each readable model's architecture, and a quantized one's ratio of packed to plain bytes."""
+    archs, ratios = {}, {}
     for m in cfg.models:
         from talaria.models.errors import (
             ModelSourceError,  # model readers load on demand
         )
-        from talaria.models.source import model_arch
+        from talaria.models.source import model_arch, model_weight_format
 
+        base = cfg.path.parent if cfg.path is not None else None
         try:  # synthetic models too: model_arch builds theirs from the shape
-            archs[m.name] = model_arch(m, cfg.path.parent if cfg.path is not None else None)
+            archs[m.name] = model_arch(m, base)
+            fmt = model_weight_format(m, base, DTYPE_BYTES[m.dtype])
         except ModelSourceError as e:
             probs.add(f"[[models]] {toml_value(m.name)}", str(e))
             continue
         a = archs[m.name]
         heads = f"{a.num_heads} heads on a latent of {a.kv_lora_rank} + {a.qk_rope_head_dim} (MLA)" if a.is_mla else \
             f"{a.num_heads} query / {a.num_kv_heads} KV heads"
+        quantized = ""
+        if fmt.kind != "plain":
+            ratios[m.name] = fmt.ratio
+            quantized = f", weights {fmt.describe()}"
         info.append(f'model "{m.name}": {a.family}, {a.param_count() / 1e6:.1f}M parameters, {heads}, '
-                    f"context {a.max_position}")
-    return archs
+                    f"context {a.max_position}{quantized}")
+    return archs, ratios
 
 
-def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, ModelArch], where: str,
-                 probs: Problems, info: list[str]) -> None:
+def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, ModelArch], ratios: dict[str, float],
+                 where: str, probs: Problems, info: list[str]) -> None:
     """The arena must hold the largest model (cold models take turns), its state slots when its
     cache keeps per-sequence state, and a minimal KV pool. Each model's cache sizes on one rank (they
     depend on tp and page_size) become info lines."""
@@ -86,7 +100,7 @@ def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, Mode
         dtype = cfg.model(name).dtype
         layout = kv_layout(arch, inst.tp, inst.page_size, dtype)
         slots = layout.state_slots(inst.max_running)
-        need[name] = (arch.param_count(inst.tp) * DTYPE_BYTES[dtype], slots * layout.state_bytes,
+        need[name] = (weight_bytes(arch, inst.tp, dtype, ratios.get(name, 1.0)), slots * layout.state_bytes,
                       layout.page_bytes)
         caches.append(f'instance "{inst.name}" model "{name}" cache: {layout.describe()}'
                       + (f"; {slots} state slots" if slots else ""))
@@ -148,7 +162,7 @@ def _check_cuda(cuda: list[InstanceConfig], probs: Problems, info: list[str]) ->
 
 
 def check_host_memory(cfg: TalariaConfig, archs: dict[str, ModelArch], ram: int, probs: Problems,
-                      info: list[str]) -> None:
+                      info: list[str], ratios: dict[str, float] | None = None) -> None:
     """The host memory every rank holds for its lifetime must fit the machine's `ram`.
 
     Each rank keeps a host image of every model its instance serves (the switch source; pinned on
@@ -157,7 +171,8 @@ def check_host_memory(cfg: TalariaConfig, archs: dict[str, ModelArch], ram: int,
     """
     shares = []  # (bytes, instance, what it holds per rank)
     for inst in cfg.instances:
-        images = sum(archs[m].param_count(inst.tp) * DTYPE_BYTES[cfg.model(m).dtype] for m in inst.models)
+        images = sum(weight_bytes(archs[m], inst.tp, cfg.model(m).dtype, (ratios or {}).get(m, 1.0))
+                     for m in inst.models)
         parts = {"weight images": images, "host KV": inst.host_kv_bytes}
         if inst.device is Device.CPU:
             parts["CPU arena"] = inst.arena_bytes

@@ -15,6 +15,7 @@ from talaria.config.schema import SyntheticShape
 from talaria.config.tables import format_size
 from talaria.contracts.arch import ModelArch
 from talaria.models.synthetic import synthetic_arch
+from talaria.models.weight_format import WeightFormat
 from talaria.node.preflight import check_files
 from tests.config.test_loader import _minimal
 
@@ -112,6 +113,7 @@ SMOLLM2 = ModelArch(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 def _fake_source(monkeypatch: pytest.MonkeyPatch, model_arch) -> None:
     fake = types.ModuleType("talaria.models.source")
     fake.model_arch = model_arch
+    fake.model_weight_format = lambda model, base, dtype_bytes: WeightFormat("plain", "", 1.0)
     monkeypatch.setitem(sys.modules, "talaria.models.source", fake)
 
 
