@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from report import render  # bench/report.py, beside this script
 
 from talaria.executor.deltanet import CHUNK, _l2norm, chunked, recurrent_step
 
@@ -114,6 +115,11 @@ def warm_up(device: torch.device | str = "cpu") -> None:
         by_recurrence(w.to(dtype, device))
 
 
+def prepared(device: torch.device | str = "cpu") -> Workload:
+    """The timed runs' input: the workload in float32."""
+    return workload().to(torch.float32, device)
+
+
 def speed_run(w: Workload, log) -> dict:
     """One timed prefill of `w` (float32) by each form; the ratio is recurrence / chunked time."""
     log(f"deltanet: chunked prefill, {w.tokens} tokens, float32")
@@ -144,6 +150,28 @@ def config() -> dict:
             "value_head_dim": HEAD_DIM, "prompt_tokens": PROMPT_TOKENS, "chunk_tokens": CHUNK, "timed_dtype": "float32",
             "tolerance_float64": TOLERANCE, "seed": SEED,
             "dims_source": "Qwen3.5-122B-A10B per two public configs of the checkpoint (its config.json not read)"}
+
+
+def table(m: dict, runs: int) -> str:
+    """The row's table and its note, from medians and the once-per-invocation values."""
+    rows = render([("DeltaNet layer", "chunked", "recurrence", "ratio"),
+                   (f"prefill s, {PROMPT_TOKENS} tokens, fp32", f"{m['deltanet_chunked_s']:.2f}",
+                    f"{m['deltanet_recurrent_s']:.2f}", f"{m['deltanet_prefill_speedup']:.2f}"),
+                   (f"fp64 max |diff|, {m['deltanet_float64_tokens']} tokens", "-", "-",
+                    f"{m['deltanet_float64_max_diff']:.1e}")])
+    return (f"{rows}\n(one Gated DeltaNet layer, {KEY_HEADS} key / {VALUE_HEADS} value heads of {HEAD_DIM} "
+            f"(Qwen3.5-122B-A10B), zero initial state; medians of {runs} runs, ratio = recurrence / chunked time, "
+            f"target >= 5; fp64: outputs, final state {m['deltanet_float64_state_max_diff']:.1e}, tolerance "
+            f"{TOLERANCE:.0e})")
+
+
+def failure(m: dict) -> str | None:
+    """Why the row fails (the float64 agreement of outputs or final state), or None."""
+    worst = max(m["deltanet_float64_max_diff"], m["deltanet_float64_state_max_diff"])
+    if worst <= TOLERANCE:
+        return None
+    return (f"the chunked DeltaNet prefill differs from the recurrence by {worst:.2e} in float64 "
+            f"(allowed {TOLERANCE:.0e})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Talaria's engine against Hugging Face ``generate`` on the same weights, in one process and one run.
 
-    python bench/engine.py [--json PATH] [--runs N] [--threads T] [--decode-tokens N] [--only deltanet]
+    python bench/engine.py [--json PATH] [--runs N] [--threads T] [--decode-tokens N] [--only deltanet|mla]
 
 SmolLM2-135M-Instruct in float32 on the CPU, a real chat-templated prompt; concurrent requests are
 independent: request i's prompt differs from the others in its second token (`distinct`), so they
@@ -27,7 +27,13 @@ Per run it measures:
   prefilling an 8,192-token prompt from a zero state, chunked against the token-by-token recurrence,
   timed in float32 (``deltanet_*`` keys); once per invocation, both forms on the same workload in
   float64 must agree to 1e-10 (outputs and final state), else the script exits 1. ``--only
-  deltanet`` runs this row alone.
+  deltanet`` runs this row alone;
+* the MLA row (bench/mla_decode.py): one multi-head latent attention layer at GLM-5's dims decoding
+  one sequence at context 8,192, the engine's latent-direct decode against expanding every cached
+  token's keys and values each step, timed in float32, the median of a few steps each (``mla_*``
+  keys); once per invocation, both on the same workload in float64 must agree to 1e-10, else the
+  script exits 1; and the cache bytes a token costs a rank at TP 1 and 8, GLM-5's beside
+  Qwen3-235B-A22B's (GQA). ``--only mla`` runs this row alone.
 
 Machines are noisy, so engines are compared by ratios measured within a run, and the median over
 ``--runs`` runs is reported; the absolute numbers are for the record. Every Talaria measurement gets
@@ -49,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import deltanet_prefill  # bench/deltanet_prefill.py, beside this script
+import mla_decode  # bench/mla_decode.py
 import torch
 import transformers
 from report import (  # bench/report.py, beside this script
@@ -88,7 +95,10 @@ TAIL_TOKENS = 64
 MIN_CACHED_ON_HIT = 2000
 AGREE_TOKENS = 16  # greedy outputs of both engines should match this far (fp32 near-ties may not)
 TARGETS = {"ratio_decode_1": 1.0, "ratio_decode_8": 1.5, "prefix_hit_ttft_speedup": 10.0,
-           "moe_ratio_decode_8": 1.5, "deltanet_prefill_speedup": 5.0}
+           "moe_ratio_decode_8": 1.5, "deltanet_prefill_speedup": 5.0, "mla_decode_speedup": 5.0}
+# The one-layer rows, each a script beside this one with the same verbs: warm_up, prepared (the timed
+# input), speed_run (one run), agreement (once per invocation, float64), config, table, failure.
+ROWS = {"deltanet": deltanet_prefill, "mla": mla_decode}
 SHARED_REQUESTS = 8  # requests sharing the prefix, each with its own tail
 SHARED_DECODE_TOKENS = 32
 
@@ -338,14 +348,6 @@ def table(m: dict) -> str:
     return render(rows)
 
 
-def deltanet_table(m: dict) -> str:
-    return render([("DeltaNet layer", "chunked", "recurrence", "ratio"),
-                   (f"prefill s, {deltanet_prefill.PROMPT_TOKENS} tokens, fp32", f"{m['deltanet_chunked_s']:.2f}",
-                    f"{m['deltanet_recurrent_s']:.2f}", f"{m['deltanet_prefill_speedup']:.2f}"),
-                   (f"fp64 max |diff|, {m['deltanet_float64_tokens']} tokens", "-", "-",
-                    f"{m['deltanet_float64_max_diff']:.1e}")])
-
-
 @dataclass(frozen=True, slots=True)
 class Models:
     """The SmolLM2 and MoE rows' weights, engines and prompts, loaded once for every run."""
@@ -410,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both engines")
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per request")
-    ap.add_argument("--only", choices=("deltanet",), help="run this row alone")
+    ap.add_argument("--only", choices=tuple(ROWS), help="run this row alone")
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3: the report is a median")
@@ -422,17 +424,22 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     log(f"{args.threads} threads, load average {load_start:.2f}")
     models = None if args.only else prepare(log)
-    log("deltanet: warming up both forms")
-    deltanet_prefill.warm_up()
-    workload = deltanet_prefill.workload().to(torch.float32)
+    rows = {name: row for name, row in ROWS.items() if args.only in (None, name)}
+    inputs = {}
+    for name, row in rows.items():
+        log(f"{name}: warming up both forms")
+        row.warm_up()
+        inputs[name] = row.prepared()
 
     runs = []
     for r in range(args.runs):
         log(f"run {r + 1}/{args.runs}")
-        runs.append((models.run(args.decode_tokens, log) if models else {})
-                    | deltanet_prefill.speed_run(workload, log))
-    del workload
-    check = deltanet_prefill.agreement(log)  # once: the same workload, in float64
+        run = models.run(args.decode_tokens, log) if models else {}
+        for name, row in rows.items():
+            run |= row.speed_run(inputs[name], log)
+        runs.append(run)
+    del inputs
+    check = {k: v for row in rows.values() for k, v in row.agreement(log).items()}  # once: the same workloads, float64
 
     scalar = [k for k, v in runs[0].items() if isinstance(v, float)]
     medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
@@ -444,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "runs": runs,
         "config": {**about_models["config"], "threads": args.threads, "runs": args.runs, "only": args.only,
-                   "deltanet": deltanet_prefill.config()},
+                   **{name: row.config() for name, row in rows.items()}},
         "threads": args.threads,
         "transformers_version": transformers.__version__,
         **environment(log, load_start),
@@ -454,18 +461,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(medians of {args.runs} runs; ratio = median of the per-run ratios, > 1 means Talaria is better: "
               "tokens/s Talaria/HF, TTFT HF/Talaria, prefix hit TTFT cold/hit; MoE: 16 experts, top-2, hidden 512, "
               "8 layers, fp32)\n")
-    print(deltanet_table(medians | check))
-    print(f"(one Gated DeltaNet layer, {deltanet_prefill.KEY_HEADS} key / {deltanet_prefill.VALUE_HEADS} value heads "
-          f"of {deltanet_prefill.HEAD_DIM} (Qwen3.5-122B-A10B), zero initial state; medians of {args.runs} runs, "
-          "ratio = recurrence / chunked time, target >= 5; fp64: outputs, final state "
-          f"{check['deltanet_float64_state_max_diff']:.1e}, tolerance {deltanet_prefill.TOLERANCE:.0e})")
+    print("\n\n".join(row.table(medians | check, args.runs) for row in rows.values()))
     write_json(args.json, result, log)
-    worst = max(check["deltanet_float64_max_diff"], check["deltanet_float64_state_max_diff"])
-    if worst > deltanet_prefill.TOLERANCE:
-        print(f"error: the chunked DeltaNet prefill differs from the recurrence by {worst:.2e} in float64 "
-              f"(allowed {deltanet_prefill.TOLERANCE:.0e})", file=sys.stderr)
-        return 1
-    return 0
+    problems = [p for p in (row.failure(check) for row in rows.values()) if p]
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

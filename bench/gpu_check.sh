@@ -10,9 +10,9 @@
 #   equivalence-*      the engine equivalence tests on the device, tiny float64 then float32 models
 #                      against the float64 reference (TALARIA_TEST_DEVICE, TALARIA_TEST_DTYPE):
 #                      a junit XML and the pytest log each; one GPU, so TP > 1 cases are left out
-#   layer-floor        bench/layer_floor.py: bf16 8B-dense, 30B-A3B-MoE and Qwen3.5-122B-A10B (3 Gated
-#                      DeltaNet + 1 gated attention) layers, prefill and decode per layer against the
-#                      HBM-bandwidth floor
+#   layer-floor        bench/layer_floor.py: bf16 8B-dense, 30B-A3B-MoE, Qwen3.5-122B-A10B (3 Gated
+#                      DeltaNet + 1 gated attention) and GLM-5 (2 MLA + sparse-attention indexer, 256
+#                      experts) layers, prefill and decode per layer against the HBM-bandwidth floor
 #   deltanet           bench/deltanet_prefill.py: one Qwen3.5-122B-A10B Gated DeltaNet layer's
 #                      8,192-token prefill, chunked against the recurrence (target 5x), and their
 #                      float64 agreement

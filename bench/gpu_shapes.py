@@ -8,7 +8,9 @@ Two shapes, each as a few layers of its model (the per-layer costs are the point
 * ``30b-a3b-moe``: Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, q/k norm,
   128 experts of width 768, top-8 with normalised weights).
 
-``--tiny`` gives the same families at toy sizes, for ``gpu_check.sh --dry-run`` on a CPU. The
+Layer sets that `talaria profile` does not take (a hybrid's, an MLA model's) are below, for
+bench/layer_floor.py only. ``--tiny`` gives the same families at toy sizes, for ``gpu_check.sh
+--dry-run`` on a CPU. The
 vocabulary is cut to 32000 in the profile configs (Llama-3 has 128256): a synthetic model is
 written to the model cache before it is loaded, and its embedding is not what is being measured.
 """
@@ -64,10 +66,39 @@ TINY_HYBRID = {"qwen3.5-122b-layers": _QWEN35 | {
     "linear_key_head_dim": 8, "linear_value_head_dim": 8}}
 
 
+# GLM-5 (glm_moe_dsa) as its hub config.json gives it, the keys Talaria reads (the values as issue
+# 29's brief quotes them; the file was not read from here): MLA of 64 heads (q_lora 2048, latent 512,
+# rope 64, nope 192, v 256), the sparse-attention indexer of 32 heads of 128 choosing 2,048 tokens,
+# 256 experts of width 2048 top-8 and one shared expert after 3 dense layers. bench/mla_decode.py
+# sizes its cache from it; its layer set below is 2 MoE layers of it.
+GLM5 = {"model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+        "num_hidden_layers": 78, "num_attention_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "index_topk": 2048,
+        "index_n_heads": 32, "index_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3,
+        "max_position_embeddings": 202752}
+# Layer sets of MLA models, measured by bench/layer_floor.py only (no synthetic family either): HF
+# config.json values, read by ModelArch.from_hf_config as a checkpoint's are. The tiny set keeps the
+# indexer's index_topk below the dry run's contexts, so its scoring runs there too.
+MLA = {"glm5-layers": GLM5 | {"num_hidden_layers": 2, "first_k_dense_replace": 0, "vocab_size": PROFILE_VOCAB,
+                              "max_position_embeddings": 8192}}
+TINY_MLA = {"glm5-layers": GLM5 | {
+    "num_hidden_layers": 2, "first_k_dense_replace": 0, "vocab_size": 320, "max_position_embeddings": 512,
+    "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 12, "index_topk": 8, "index_n_heads": 4,
+    "index_head_dim": 16, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 24}}
+
+
 def hybrid_arch(name: str, tiny: bool):
     """The ModelArch of hybrid layer set `name` (bench/layer_floor.py)."""
     from talaria.contracts.arch import ModelArch
     return ModelArch(**(TINY_HYBRID if tiny else HYBRID)[name])
+
+
+def mla_arch(name: str, tiny: bool):
+    """The ModelArch of MLA layer set `name` (bench/layer_floor.py), read from its config.json values."""
+    from talaria.contracts.arch import ModelArch
+    return ModelArch.from_hf_config((TINY_MLA if tiny else MLA)[name])
 
 
 def shape(name: str, tiny: bool) -> SyntheticShape:

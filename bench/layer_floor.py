@@ -1,4 +1,5 @@
-"""Per-layer prefill and decode time of 8B-dense, 30B-A3B-MoE and Qwen3.5-122B-A10B layer sets, against the HBM floor.
+"""Per-layer prefill and decode time of 8B-dense, 30B-A3B-MoE, Qwen3.5-122B-A10B and GLM-5 layer sets,
+against the HBM floor.
 
     python bench/layer_floor.py [--device cuda|cpu] [--dtype D] [--tiny] [--shapes a,b]
                                 [--repeats N] [--json PATH]
@@ -23,6 +24,16 @@ layers; the forward's embedding and final norm are in them and are negligible.
 The Qwen3.5 set (bench/gpu_shapes.py HYBRID) is 3 Gated DeltaNet layers and 1 gated attention
 layer: a DeltaNet layer's bytes are its weights and each sequence's state, read and written once a
 step (decode and prefill alike); the attention layer's are as above.
+
+The GLM-5 set (bench/gpu_shapes.py MLA) is 2 MoE layers of GLM-5 (multi-head latent attention with
+the sparse-attention indexer; 256 experts, top-8, a shared expert), its weights shaped by the
+engine's `mla_shapes`. A layer's cache bytes are its `latent` and `index_k` (kv_layout): prefill
+writes both for every token; a decoding sequence of context C must read the latents of the tokens
+it attends to, min(C, index_topk), and, past index_topk, every token's index key for the indexer
+to choose them (at C <= index_topk every token is chosen and the indexer does not score). The
+engine reads all C latents and masks the unchosen, so past index_topk its ratio carries that
+surplus. The set decodes at twice its index_topk (4,096; toy sizes: their context), so the
+indexer runs.
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from pathlib import Path
 import torch
 from gpu_shapes import (  # bench/gpu_shapes.py, beside this script
     HYBRID,
+    MLA,
     SHAPES,
     hybrid_arch,
+    mla_arch,
     shape,
 )
 from report import ProgressLog, environment, render, write_json  # bench/report.py
@@ -52,6 +65,7 @@ from talaria.executor.attention import AttentionMeta
 from talaria.executor.deltanet import deltanet_shapes, segments
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.llama import LlamaModel
+from talaria.executor.mla import mla_shapes
 from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.weights import LayerWeights, ModelWeights
 from talaria.models.synthetic import synthetic_arch
@@ -108,6 +122,15 @@ def build(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaMod
             lw = LayerWeights(norm(h), None, None, None, None, None, norm(h), la_qkv=lin(*qkv), la_z=lin(*z),
                               la_b=lin(*b), la_a=lin(*a), la_conv=lin(*conv), la_dt_bias=norm(*dt).zero_(),
                               la_A_log=norm(*a_log).zero_(), la_norm=norm(*nrm), la_out=lin(*out))
+        elif arch.is_mla:  # the engine's MLA tensors (mla_shapes order); norms 1, the indexer's key norm's bias 0
+            a_proj, q_b, kv_norm, kv_b, o_proj, *rest = mla_shapes(shard, i)
+            mla = {"mla_a": lin(*a_proj), "mla_q_b": lin(*q_b), "mla_kv_norm": norm(*kv_norm), "mla_kv_b": lin(*kv_b)}
+            if arch.q_lora_rank:
+                mla["mla_q_norm"] = norm(*rest.pop(0))
+            if arch.has_indexer(i):
+                mla["idx_q"], mla["idx_k_norm"] = lin(*rest[0]), norm(rest[1][1]).repeat(2, 1)
+                mla["idx_k_norm"][1].zero_()
+            lw = LayerWeights(norm(h), None, None, None, None, lin(*o_proj), norm(h), **mla)
         else:
             lw = LayerWeights(input_norm=norm(h), qkv=lin(q + 2 * arch.kv_size, h), qkv_bias=None,
                               q_norm=norm(hd) if arch.qk_norm else None, k_norm=norm(hd) if arch.qk_norm else None,
@@ -115,9 +138,12 @@ def build(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaMod
         if arch.is_moe_layer(i):
             e, m = arch.num_experts, arch.moe_intermediate_size
             lw.router, lw.experts_gate_up, lw.experts_down = lin(e, h), lin(e, 2 * m, h), lin(e, h, m)
+            if arch.router_scoring == "sigmoid":  # the selection bias: 0 chooses by the scores alone
+                lw.router_bias = norm(e).zero_()
             if arch.shared_expert_intermediate_size:
                 sh = arch.shared_expert_intermediate_size
-                lw.shared_gate_up, lw.shared_down, lw.shared_gate = lin(2 * sh, h), lin(h, sh), lin(1, h)
+                lw.shared_gate_up, lw.shared_down = lin(2 * sh, h), lin(h, sh)
+                lw.shared_gate = lin(1, h) if arch.shared_expert_gated else None
         else:
             lw.gate_up, lw.down = lin(2 * arch.intermediate_size, h), lin(h, arch.intermediate_size)
         layers.append(lw)
@@ -159,7 +185,7 @@ class Layers:
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int, seqs: int) -> None:
         self.arch, self.device = arch, device
         self.model = build(arch, dtype, device)
-        layout = kv_layout(arch, 1, PAGE_SIZE, str(dtype).removeprefix("torch."))
+        self.layout = layout = kv_layout(arch, 1, PAGE_SIZE, str(dtype).removeprefix("torch."))
         states = torch.zeros((seqs, layout.state_bytes), dtype=torch.uint8, device=device) if layout.stateful else None
         self.kv = KVCache(torch.empty((pages + 1, layout.page_bytes), dtype=torch.uint8, device=device), layout,
                           states)
@@ -171,6 +197,17 @@ class Layers:
                             for i in range(arch.num_layers)]
         self.state_bytes = [sum(t.nbytes for t in layout.tensors if not t.per_token and i in t.layers)
                             for i in range(arch.num_layers)]
+
+    def read_bytes(self, layer: int, context: int) -> int:
+        """Cache bytes a decoding sequence of `context` tokens must read from `layer`: every token's
+        K and V (or latent); with sparse attention the latents of the index_topk tokens it attends
+        to, and every token's index key where the layer's indexer scores them (past index_topk)."""
+        a = self.arch
+        if not a.indexer_types:
+            return context * self.token_bytes[layer]
+        scored = a.has_indexer(layer) and context > a.index_topk
+        index = self.layout.tensor("index_k").nbytes if scored else 0
+        return min(context, a.index_topk) * self.layout.tensor("latent").nbytes + context * index
 
     def step(self, plan: StepPlan):
         meta = AttentionMeta.build(plan, PAGE_SIZE, self.kv.null_page, self.device)
@@ -184,8 +221,8 @@ class Layers:
         seen: list[int] = []
         original = moe.route
 
-        def recording(h, router, arch):
-            experts, weights = original(h, router, arch)
+        def recording(*args):
+            experts, weights = original(*args)
             seen.append(int(experts.unique().numel()))
             return experts, weights
         moe.route = recording
@@ -196,14 +233,14 @@ class Layers:
         it = iter(seen)
         return [next(it) if self.arch.is_moe_layer(i) else None for i in range(self.arch.num_layers)]
 
-    def row(self, plan: StepPlan, kv_tokens: int, bandwidth: float, repeats: int) -> dict:
+    def row(self, plan: StepPlan, cache: list[int], bandwidth: float, repeats: int) -> dict:
         """Timings of `plan`'s forward per layer against the floor of the bytes it moves: each layer's
-        weights and the KV of `kv_tokens` tokens it writes (prefill) or reads (decode)."""
+        weights and the `cache` bytes it writes (prefill) or reads (decode), a number per layer."""
         run = self.step(plan)
         experts = self.routed(run) if self.arch.is_moe else [None] * self.arch.num_layers
         seqs = len(plan.chunks)  # each sequence's state is read and written once (DeltaNet layers)
-        per_layer = [layer_bytes(lw, e) + kv_tokens * kv + 2 * seqs * st
-                     for lw, e, kv, st in zip(self.model.w.layers, experts, self.token_bytes, self.state_bytes)]
+        per_layer = [layer_bytes(lw, e) + kv + 2 * seqs * st
+                     for lw, e, kv, st in zip(self.model.w.layers, experts, cache, self.state_bytes)]
         seconds = timed(run, self.device, repeats) / self.arch.num_layers
         floor = statistics.mean(per_layer) / bandwidth
         row = {"ms_per_layer": seconds * 1e3, "floor_ms_per_layer": floor * 1e3, "ratio": seconds / floor,
@@ -213,28 +250,43 @@ class Layers:
         return row
 
 
+def decode_context(arch: ModelArch, sizes: dict) -> int:
+    """The decode steps' context: the sizes', or past a sparse-attention set's index_topk (twice it),
+    where its indexer chooses; at or below it every token is chosen and the indexer is skipped."""
+    return max(sizes["context"], 2 * arch.index_topk)
+
+
 def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device, sizes: dict,
             bandwidth: float, repeats: int, log) -> dict:
-    pages = max(math.ceil(sizes["prefill"] / PAGE_SIZE), max(sizes["batches"]) * math.ceil(sizes["context"] / PAGE_SIZE))
+    c = decode_context(arch, sizes)
+    pages = max(math.ceil(sizes["prefill"] / PAGE_SIZE), max(sizes["batches"]) * math.ceil(c / PAGE_SIZE))
     log(f"{name}: building {arch.num_layers} layers on {device} ({dtype}), {pages} KV pages")
     layers = Layers(arch, dtype, device, pages, max(sizes["batches"]))
     p = sizes["prefill"]
     log(f"{name}: prefill {p} tokens")
-    prefill = layers.row(prefill_plan(p), p, bandwidth, repeats)
+    prefill = layers.row(prefill_plan(p), [p * t for t in layers.token_bytes], bandwidth, repeats)
     decode = []
     for b in sizes["batches"]:
-        c = sizes["context"]
         log(f"{name}: decode batch {b} at context {c}")
-        decode.append({"batch": b, "context": c,
-                       **layers.row(decode_plan(b, c), b * c, bandwidth, repeats)})
+        read = [b * layers.read_bytes(i, c) for i in range(arch.num_layers)]
+        decode.append({"batch": b, "context": c, **layers.row(decode_plan(b, c), read, bandwidth, repeats)})
     dims = {k: getattr(arch, k) for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
                                           "num_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                          "layer_types", "linear_num_key_heads", "linear_num_value_heads")}
+                                          "layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                                          "kv_lora_rank", "qk_rope_head_dim", "indexer_types", "index_topk",
+                                          "index_n_heads", "index_head_dim", "shared_expert_intermediate_size")}
     del layers
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"arch": dims, "family": arch.family, "dtype": str(dtype).removeprefix("torch."), "prefill": prefill,
             "decode": decode}
+
+
+def layer_set(name: str, tiny: bool) -> ModelArch:
+    """The ModelArch of shape or layer set `name` (bench/gpu_shapes.py)."""
+    if name in HYBRID:
+        return hybrid_arch(name, tiny)
+    return mla_arch(name, tiny) if name in MLA else synthetic_arch(shape(name, tiny))
 
 
 def table(results: dict) -> str:
@@ -254,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--tiny", action="store_true", help="toy shapes and sizes (gpu_check.sh --dry-run)")
-    known = (*SHAPES, *HYBRID)
+    known = (*SHAPES, *HYBRID, *MLA)
     ap.add_argument("--shapes", default=",".join(known), help=f"comma-separated, from: {', '.join(known)}")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per step (the median is kept)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
@@ -275,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMALL if args.tiny else FULL
     bandwidth = copy_bandwidth(device, sizes["copy_bytes"], args.repeats)
     log(f"copy bandwidth: {bandwidth / 2**30:.1f} GiB/s (read + write)")
-    results = {n: measure(n, hybrid_arch(n, args.tiny) if n in HYBRID else synthetic_arch(shape(n, args.tiny)), dtype,
-                          device, sizes, bandwidth, args.repeats, log) for n in names}
+    results = {n: measure(n, layer_set(n, args.tiny), dtype, device, sizes, bandwidth, args.repeats, log)
+               for n in names}
     print(table(results))
     print(f"(floor: bytes a layer moves / {bandwidth / 2**30:.1f} GiB/s measured copy bandwidth; ratio = time / floor)")
     write_json(args.json, {"device": args.device, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"

@@ -16,8 +16,8 @@ from talaria.contracts.profile_file import load_profile
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["machine", "equivalence-float64", "equivalence-float32", "layer-floor", "deltanet", "switch",
          "profile-8b-dense", "profile-30b-a3b-moe"]
-SHAPES = ["8b-dense", "30b-a3b-moe"]  # the profiled shapes; the layer floor measures a hybrid set too
-LAYER_SHAPES = [*SHAPES, "qwen3.5-122b-layers"]
+SHAPES = ["8b-dense", "30b-a3b-moe"]  # the profiled shapes; the layer floor measures a hybrid and an MLA set too
+LAYER_SHAPES = [*SHAPES, "qwen3.5-122b-layers", "glm5-layers"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,8 @@ def test_layer_floor_rows_are_times_over_bandwidth_floors(results: Path) -> None
             assert more["bytes_per_layer"] > one["bytes_per_layer"]
         else:
             assert all("experts_per_layer" not in r for r in rows)
+        if arch["indexer_types"]:  # GLM-5: decoded past index_topk, so its indexer chooses the tokens
+            assert all(d["context"] > arch["index_topk"] for d in shape["decode"])
 
 
 def test_switch_bench_ran_both_paths_at_toy_sizes(results: Path) -> None:
