@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
+from talaria.executor.checkpoint import CheckpointError
 from talaria.executor.parallel import Shard
 from talaria.executor.quant import QStack, WeightReader, dense
 
@@ -63,6 +64,9 @@ def load_moe(reader: WeightReader, prefix: str, shard: Shard) -> dict:
     else:
         gate_up = alloc((n, 2 * im, h), e + "gate_up")  # per expert: gate rows, then up rows
         down = alloc((n, h, im), e + "down")
+        if reader.fmt is not None and any(e + "gate_up_proj" + x in ckpt for x in ("_scale_inv", "_weight_scale")):
+            raise CheckpointError(f"{e}gate_up_proj: quantized fused experts are not supported yet; save the "
+                                  "checkpoint with one tensor per expert (docs/models.md)")
         if e + "gate_up_proj" in ckpt:  # fused: (E, 2I, H) and (E, H, I)
             ckpt.read_into(gate_up[:, :im], e + "gate_up_proj", 1, i0, i1)
             ckpt.read_into(gate_up[:, im:], e + "gate_up_proj", 1, full + i0, full + i1)
