@@ -1,7 +1,7 @@
 """Model-switch latency and HKVR restore bandwidth, against copy ceilings measured in the same run.
 
     python bench/switch.py [--device cpu|cuda] [--json PATH] [--runs N] [--threads T]
-                           [--chunk-mib M] [--restore-mib M] [--tiny]
+                           [--chunk-mib M] [--restore-mib M] [--tiny] [--formats]
 
 Two synthetic Llama models (float32, a few hundred MiB each) share one cold instance, driven
 in-process at TP=1 with the code a worker runs. Per run it measures:
@@ -14,6 +14,12 @@ in-process at TP=1 with the code a worker runs. Per run it measures:
   from host slabs, the exact code a step runs before its forward;
 * the ceilings: a single large ``copy_`` of the same byte count, host memcpy on CPU; on CUDA a
   device-to-device copy and a pinned host-to-device copy.
+
+Per checkpoint format (issue 31), one Qwen3-MoE (hidden 512, 4 layers, 8 experts of width 256) is
+written by tests/quantized.py as a plain, an FP8 (blocks of 128x128) and an NVFP4 checkpoint and
+served in bfloat16 as the target of the same two switches, after a small bf16 model: its weights
+image per rank and the bytes each switch moves (H2D with staging off, D2D when staged), from the
+switch records. A packed image must shrink both alike. ``--formats`` runs only this part.
 
 ``--tiny`` swaps in toy models and copies of a few hundred KiB (``bench/gpu_check.sh --dry-run``):
 every step runs, the figures mean nothing.
@@ -32,8 +38,11 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/ (and talaria) from here
 
 import torch
 from report import (  # bench/report.py, beside this script
@@ -91,7 +100,7 @@ def gib_s(nbytes: int, seconds: float) -> float:
 
 
 def weight_bytes(files: ModelFiles) -> int:
-    return weights_nbytes(Shard(0, 1, files.arch), DTYPES[files.dtype])
+    return weights_nbytes(Shard(0, 1, files.arch), DTYPES[files.dtype], files.directory)
 
 
 def page_bytes(files: ModelFiles) -> int:
@@ -274,6 +283,82 @@ def one_run(staged: Driver, plain: Driver, ceil: Ceilings, a: str, b: str, run: 
     }
 
 
+# ---- per checkpoint format -------------------------------------------------------------------------
+
+# One Qwen3-MoE (layer 0 dense, then 8 experts of width 256, top-2) in every format; its vocabulary
+# is small, so embeddings and lm_head, never quantized, are ~7% of the parameters (Qwen3-30B-A3B: ~2%)
+FORMAT_MOE = {"vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+              "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0], "norm_topk_prob": True,
+              "max_position_embeddings": 2048, "eos_token_id": None, "bos_token_id": None}
+TINY_FORMAT_MOE = FORMAT_MOE | {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+                                "moe_intermediate_size": 32, "num_hidden_layers": 2, "head_dim": 16}
+FP8_BLOCK = (128, 128)
+FORMATS = ("plain", "fp8", "nvfp4")  # plain: the same writer with every module excluded
+FORMAT_SERVE = "bfloat16"
+# the model served before each switch: small, so its serving steps cost little
+FORMAT_A = dataclasses.replace(TINY_A, name="switch-fmt-a", dtype=FORMAT_SERVE)
+
+
+def write_checkpoints(root: Path, shape: dict) -> dict[str, Path]:
+    """The one float64 Qwen3-MoE written as each format's checkpoint directory under root."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from tests.quantized import quantize_checkpoint
+
+    torch.manual_seed(0)  # transformers draws the initial weights from the global generator
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape), dtype=torch.float64,
+                                             experts_implementation="eager").eval()
+    dirs = {}
+    for fmt in FORMATS:
+        dirs[fmt] = root / fmt
+        quantize_checkpoint(model, dirs[fmt], "fp8" if fmt == "plain" else fmt, block=FP8_BLOCK,
+                            exclude=("*",) if fmt == "plain" else ())
+    return dirs
+
+
+def format_row(a: ModelFiles, b: ModelFiles, device: str, chunk_bytes: int, log) -> dict:
+    """B's image per rank and the bytes of a staged (full_d2d) and an unstaged (h2d_only) switch A -> B."""
+    staged = build_core(a, b, device, chunk_bytes, 0)
+    plain = build_core(a, b, device, 0, 0)
+    rec, steps, _ = serve_then_switch(staged, a.name, b.name, 0, None, log)
+    d2d = switch_row(rec, SwitchPath.FULL_D2D)
+    rec, _, _ = serve_then_switch(plain, a.name, b.name, 0, steps, log)
+    h2d = switch_row(rec, SwitchPath.H2D_ONLY)
+    image = staged.executor.substrate.images[b.name].nbytes
+    counted = weight_bytes(b)
+    for what, rec in (("full_d2d", d2d["record"]), ("h2d_only", h2d["record"])):
+        if rec["ranks"][0]["total_bytes"] != image or counted != image:
+            raise RuntimeError(f"{b.name}: the {what} switch moved an image of {rec['ranks'][0]['total_bytes']} "
+                               f"bytes; the host image holds {image}, weights_nbytes counts {counted}")
+    for core in (staged, plain):
+        core.stop()
+    return {"image_bytes": image, "weights_nbytes": counted, "h2d_bytes": h2d["h2d_bytes"],
+            "h2d_staged_bytes": h2d["staged_bytes"], "d2d_bytes": d2d["staged_bytes"],
+            "d2d_h2d_bytes": d2d["h2d_bytes"], "staging_steps": steps,
+            "switch_d2d_ms": d2d["total_ms"], "switch_h2d_ms": h2d["total_ms"],
+            "switch_d2d": d2d["record"], "switch_h2d": h2d["record"]}
+
+
+def run_formats(device: str, chunk_bytes: int, tiny: bool, log) -> dict:
+    """Each format's row, with its ratios to the plain checkpoint's."""
+    shape = TINY_FORMAT_MOE if tiny else FORMAT_MOE
+    a = prepare_model(FORMAT_A, None)
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="talaria-switch-formats-") as tmp:
+        log(f"formats: writing a Qwen3-MoE {shape['hidden_size']}x{shape['num_hidden_layers']} layers as "
+            f"{', '.join(FORMATS)} checkpoints")
+        dirs = write_checkpoints(Path(tmp), shape)
+        for fmt, path in dirs.items():
+            b = prepare_model(ModelConfig(name=f"switch-moe-{fmt}", source=str(path), dtype=FORMAT_SERVE), None)
+            log(f"formats: {fmt}, {weight_bytes(b) / 2**20:.3g} MiB per rank in {FORMAT_SERVE}")
+            rows[fmt] = format_row(a, b, device, chunk_bytes, log)
+    for row in rows.values():
+        row |= {f"{k}_ratio": row[k] / rows["plain"][k] for k in ("image_bytes", "h2d_bytes", "d2d_bytes")}
+    return {"shape": shape, "fp8_block": list(FP8_BLOCK), "dtype": FORMAT_SERVE, "served_before": FORMAT_A.name,
+            "staging_chunk_bytes": chunk_bytes, "rows": rows}
+
+
 # ---- report ----------------------------------------------------------------------------------------
 
 def tables(m: dict, cfg: dict) -> str:
@@ -306,17 +391,34 @@ def tables(m: dict, cfg: dict) -> str:
     return render(switch) + "\n\n" + render(copies)
 
 
+def formats_table(f: dict) -> str:
+    s = f["shape"]
+    rows = [(f"Qwen3-MoE {s['hidden_size']}x{s['num_hidden_layers']}, {s['num_experts']} experts of "
+             f"{s['moe_intermediate_size']}, in {f['dtype']}", "image/rank, bytes", "ratio",
+             "H2D switch, bytes", "ratio", "D2D switch, bytes", "ratio")]
+    for fmt, r in f["rows"].items():
+        name = f"fp8 {f['fp8_block'][0]}x{f['fp8_block'][1]}" if fmt == "fp8" else fmt
+        rows.append((name, f"{r['image_bytes']:,}", f"{r['image_bytes_ratio']:.3f}", f"{r['h2d_bytes']:,}",
+                     f"{r['h2d_bytes_ratio']:.3f}", f"{r['d2d_bytes']:,}", f"{r['d2d_bytes_ratio']:.3f}"))
+    return render(rows)
+
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the arena lives")
-    ap.add_argument("--json", type=Path, default=Path("bench/results/switch.json"), help="where to write results")
+    ap.add_argument("--json", type=Path, default=None, help="where to write results (default "
+                    "bench/results/switch.json; with --formats, bench/results/switch_formats.json)")
     ap.add_argument("--runs", type=int, default=3, help="runs to take the median of (at least 3)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     ap.add_argument("--chunk-mib", type=int, default=16, help="staging chunk: one per serving step")
     ap.add_argument("--restore-mib", type=int, default=256, help="KV bytes per restore (at least 64: beyond caches)")
     ap.add_argument("--tiny", action="store_true", help="toy models and copies: a smoke run, the figures mean "
                     "nothing (overrides --chunk-mib and --restore-mib)")
+    ap.add_argument("--formats", action="store_true", help="only the switch bytes per checkpoint format")
     args = ap.parse_args(argv)
+    if args.json is None:
+        args.json = Path("bench/results/switch_formats.json" if args.formats else "bench/results/switch.json")
     if args.runs < 3:
         ap.error("--runs must be at least 3: the report is a median")
     if not args.tiny and (args.restore_mib < 64 or args.chunk_mib < 1):
@@ -330,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     log = ProgressLog()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
+    if args.formats:
+        formats = run_formats(args.device, chunk_bytes, args.tiny, log)
+        print(formats_table(formats))
+        write_json(args.json, {"formats": formats, "device": args.device, "threads": args.threads,
+                               **environment(log, load_start)}, log)
+        return 0
     files = []
     for cfg in models:
         log(f"preparing {cfg.name}: synthetic {cfg.shape.hidden_size}x{cfg.shape.num_layers} layers "
@@ -349,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.runs):
         log(f"run {r + 1}/{args.runs}")
         runs.append(one_run(staged, plain, ceil, a.name, b.name, r, restore_bytes, log))
+    for core in (staged, plain):
+        core.stop()
+    formats = run_formats(args.device, chunk_bytes, args.tiny, log)
     scalar = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
     medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
     config = {
@@ -368,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
            for k in ("d2d", "h2d")},
         "targets": TARGETS,
         "runs": runs,
+        "formats": formats,
         "config": config,
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
@@ -376,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(medians, config))
     print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "
           f"target restore_fraction >= {TARGETS['restore_fraction']})")
+    print()
+    print(formats_table(formats))
     write_json(args.json, result, log)
     return 0
 
