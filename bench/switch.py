@@ -19,7 +19,8 @@ Per checkpoint format (issue 31), one Qwen3-MoE (hidden 512, 4 layers, 8 experts
 written by tests/quantized.py as a plain, an FP8 (blocks of 128x128) and an NVFP4 checkpoint and
 served in bfloat16 as the target of the same two switches, after a small bf16 model: its weights
 image per rank and the bytes each switch moves (H2D with staging off, D2D when staged), from the
-switch records. A packed image must shrink both alike. ``--formats`` runs only this part.
+switch records. A packed image must shrink both alike. ``--formats`` runs this part, and only it
+(it needs transformers, and its first run calibrates three models: a minute or two on a CPU).
 
 ``--tiny`` swaps in toy models and copies of a few hundred KiB (``bench/gpu_check.sh --dry-run``):
 every step runs, the figures mean nothing.
@@ -459,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(one_run(staged, plain, ceil, a.name, b.name, r, restore_bytes, log))
     for core in (staged, plain):
         core.stop()
-    formats = run_formats(args.device, chunk_bytes, args.tiny, log)
     scalar = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
     medians = {k: statistics.median(run[k] for run in runs) for k in scalar}
     config = {
@@ -479,7 +479,6 @@ def main(argv: list[str] | None = None) -> int:
            for k in ("d2d", "h2d")},
         "targets": TARGETS,
         "runs": runs,
-        "formats": formats,
         "config": config,
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
@@ -488,8 +487,6 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(medians, config))
     print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "
           f"target restore_fraction >= {TARGETS['restore_fraction']})")
-    print()
-    print(formats_table(formats))
     write_json(args.json, result, log)
     return 0
 

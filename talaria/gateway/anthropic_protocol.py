@@ -72,7 +72,8 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
     messages = _system(f, server.strip_billing_header) + _conversation(f)
     tools = _tools(f)
     arch, tokenizer = catalog.arch(model), catalog.tokenizer(model)
-    chat = build_chat_prompt(catalog, model, messages, tools, _output_format(f), prompts)
+    chat = build_chat_prompt(catalog, model, messages, tools, _output_format(f), prompts,
+                             format_param="output_config.format")
     room = arch.max_position - len(chat.ids)
     if room <= 0 and not count_only:  # a count is what tells a client its prompt is too long
         raise APIError.invalid(f"prompt is too long: {len(chat.ids)} tokens > {arch.max_position - 1} maximum",

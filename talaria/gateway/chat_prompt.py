@@ -43,7 +43,7 @@ class ChatPrompt:
 
 def build_chat_prompt(catalog: ModelCatalog, model: str, messages: list[dict[str, Any]], tools: Tools | None,
                       response_grammar: str | None, prompts: PromptCache | None,
-                      tools_param: str = "tools") -> ChatPrompt:
+                      tools_param: str = "tools", format_param: str = "response_format") -> ChatPrompt:
     """The prompt of a validated conversation; raises APIError 400 for what the model cannot do."""
     tokenizer = catalog.tokenizer(model)
     formats = model_formats(catalog.config.model(model), tokenizer)
@@ -57,8 +57,8 @@ def build_chat_prompt(catalog: ModelCatalog, model: str, messages: list[dict[str
             grammar = tool_call_grammar(formats.tools, tools.forced, tools.parallel and tools.named is None)
     if response_grammar is not None:
         if grammar is not None:
-            raise APIError.invalid("a structured output format cannot be enforced together with a forced tool "
-                                   "choice", tools_param)
+            raise APIError.invalid(f"a structured output format ({format_param}) cannot be enforced together with "
+                                   "a forced tool choice (tool_choice); drop one of them", tools_param)
         grammar = response_grammar
     shown, offered = template_messages(messages, tools, formats)
     try:
