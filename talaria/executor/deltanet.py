@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from talaria.executor.checkpoint import ShardReader
+from talaria.executor.matmul import linear
 from talaria.executor.parallel import Shard
 
 Shape = tuple[int, ...]
@@ -186,10 +187,10 @@ def deltanet_mixer(h: torch.Tensor, lw, shard: Shard, segs: list[Segment], conv_
     a = shard.arch
     kh, vh, kd, vd = shard.linear_key_heads, shard.linear_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
     T = h.shape[0]
-    mixed = F.linear(h, lw.la_qkv).t()  # (C, T)
-    z = F.linear(h, lw.la_z).view(T, vh, vd)
-    beta = F.linear(h, lw.la_b).sigmoid()  # (T, Hv)
-    g = -lw.la_A_log.float().exp() * F.softplus(F.linear(h, lw.la_a).float() + lw.la_dt_bias)  # (T, Hv)
+    mixed = linear(h, lw.la_qkv).t()  # (C, T)
+    z = linear(h, lw.la_z).view(T, vh, vd)
+    beta = linear(h, lw.la_b).sigmoid()  # (T, Hv)
+    g = -lw.la_A_log.float().exp() * F.softplus(linear(h, lw.la_a).float() + lw.la_dt_bias)  # (T, Hv)
     past_len = conv_state.shape[-1]
     conv = torch.empty_like(mixed)
     steps = [s for s in segs if s.n == 1 and s.resumed]  # decode: the recurrence, all sequences at once
@@ -224,4 +225,4 @@ def deltanet_mixer(h: torch.Tensor, lw, shard: Shard, segs: list[Segment], conv_
         o[r] = chunked((q[r] * kd ** -0.5).transpose(0, 1), k[r].transpose(0, 1), v[r].transpose(0, 1), g[r].t(), beta[r].t(),
                        ssm_state[s.slot]).transpose(0, 1)
     out = gated_norm(o.to(h.dtype), z, lw.la_norm, a.rms_norm_eps)  # (T, Hv, dv)
-    return F.linear(out.reshape(T, vh * vd), lw.la_out)
+    return linear(out.reshape(T, vh * vd), lw.la_out)

@@ -23,7 +23,7 @@ from talaria.executor.kv_cache import KVCache
 from talaria.executor.mla import MLA
 from talaria.executor.moe import moe_mlp, use_grouped_mm
 from talaria.executor.parallel import Shard, TPGroup
-from talaria.executor.quant import dense
+from talaria.executor.matmul import linear
 from talaria.executor.norms import rms_norm
 from talaria.executor.rope import apply_rope, rope_cos_sin, softmax_scale
 from talaria.executor.weights import ModelWeights
@@ -79,8 +79,8 @@ class LlamaModel:
             if lw.router is not None:
                 mlp = moe_mlp(h, lw, arch, self.grouped)  # (T, H), partial over ranks
             else:
-                gate, up = F.linear(h, dense(lw.gate_up, h.dtype)).chunk(2, dim=-1)  # (T, I_local) each
-                mlp = F.linear(F.silu(gate) * up, dense(lw.down, h.dtype))  # (T, H), partial over ranks
+                gate, up = linear(h, lw.gate_up).chunk(2, dim=-1)  # (T, I_local) each
+                mlp = linear(F.silu(gate) * up, lw.down)  # (T, H), partial over ranks
             x = x + self.group.all_reduce(mlp)
         return rms_norm(x, self.w.norm, eps, offset)
 
@@ -92,7 +92,7 @@ class LlamaModel:
         hd, nh, nkv = arch.head_dim, sh.heads, sh.kv_heads
         T = h.shape[0]
         gated = 2 if arch.attn_output_gate else 1
-        qkv = F.linear(h, dense(lw.qkv, h.dtype), lw.qkv_bias)  # (T, (nh gated + 2 nkv) hd)
+        qkv = linear(h, lw.qkv, lw.qkv_bias)  # (T, (nh gated + 2 nkv) hd)
         q, k, v = qkv.split((nh * hd * gated, nkv * hd, nkv * hd), dim=-1)
         q = q.view(T, nh, hd * gated)  # each head's query, then its output gate
         gate = q[..., hd:].reshape(T, nh * hd) if gated == 2 else None
@@ -110,12 +110,12 @@ class LlamaModel:
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(T, nh * hd)  # (T, nh hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, dense(lw.o_proj, h.dtype))
+        return linear(o, lw.o_proj)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(S, H) -> (S, vocab) on rank 0 (at least float32); None on other ranks."""
-        local = F.linear(hidden, self.w.lm_head)  # (S, V_local)
+        local = linear(hidden, self.w.lm_head)  # (S, V_local)
         full = self.group.gather_last_dim(local)
         if full is None:
             return None

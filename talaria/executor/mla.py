@@ -40,6 +40,7 @@ from talaria.executor.attention import AttentionMeta, DecodeBatch, _gather
 from talaria.executor.kv_cache import KVCache
 from talaria.executor.norms import layer_norm, rms_norm
 from talaria.executor.parallel import Shard
+from talaria.executor.matmul import linear
 from talaria.executor.quant import WeightReader, dense
 from talaria.executor.rope import apply_rope, apply_rope_interleaved
 
@@ -114,11 +115,11 @@ class MLA:
         lq, ld, r, nope = a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim
         indexed = a.has_indexer(layer)
         split = ([lq] if lq else []) + [ld, r] + ([a.index_head_dim, a.index_n_heads] if indexed else [])
-        parts = list(F.linear(h, dense(lw.mla_a, h.dtype)).split(split, dim=-1))
+        parts = list(linear(h, lw.mla_a).split(split, dim=-1))
         q_latent = rms_norm(parts.pop(0), lw.mla_q_norm, LATENT_NORM_EPS) if lq else h
         c = rms_norm(parts.pop(0), lw.mla_kv_norm, LATENT_NORM_EPS)  # (T, ld)
         k_rope = self.rope(parts.pop(0).unsqueeze(1), cos, sin).squeeze(1)  # (T, r)
-        q = F.linear(q_latent, dense(lw.mla_q_b, h.dtype)).view(T, hl, nope + r)
+        q = linear(q_latent, lw.mla_q_b).view(T, hl, nope + r)
         q = torch.cat((q[..., :nope], self.rope(q[..., nope:], cos, sin)), dim=-1)  # (T, hl, nope + r)
         latent = torch.cat((c, k_rope), dim=-1)  # (T, ld + r): what the cache holds
         cache = kv.view("latent", layer)  # (pages + 1, page_size, ld + r)
@@ -138,7 +139,7 @@ class MLA:
             ctx = latent[p.row:p.row + p.q_len] if p.mask is None else _gather(cache, p.pages, 1, p.ctx)[0]
             sel = selection.prefills[i] if selection is not None else None
             out[p.row:p.row + p.q_len] = self._prefill(q[p.row:p.row + p.q_len], ctx, p.mask, kv_b, sel)
-        return F.linear(out.reshape(T, -1), dense(lw.o_proj, h.dtype)), selection
+        return linear(out.reshape(T, -1), lw.o_proj), selection
 
     def _prefill(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, kv_b: torch.Tensor,
                  sel: torch.Tensor | None) -> torch.Tensor:
@@ -146,7 +147,7 @@ class MLA:
         (ctx_len, ld + r) -> (n, hl, v)."""
         a, hl = self.a, self.heads
         ld, nope = a.kv_lora_rank, a.qk_nope_head_dim
-        kv = F.linear(ctx[:, :ld], kv_b.flatten(0, 1)).view(-1, hl, nope + a.v_head_dim)  # (L, hl, nope + v)
+        kv = linear(ctx[:, :ld], kv_b.flatten(0, 1)).view(-1, hl, nope + a.v_head_dim)  # (L, hl, nope + v)
         k = torch.cat((kv[..., :nope], ctx[:, None, ld:].expand(-1, hl, -1)), dim=-1).transpose(0, 1)  # (hl, L, qk)
         v = kv[..., nope:].transpose(0, 1)  # (hl, L, v)
         if sel is not None:
@@ -186,7 +187,7 @@ class MLA:
         topk = a.index_topk
         if all(d.longest <= topk for d in meta.decodes) and all(p.ctx <= topk for p in meta.prefills):
             return Selection([None] * len(meta.prefills), [None] * len(meta.decodes))
-        q = F.linear(q_latent, dense(lw.idx_q, q_latent.dtype)).view(T, a.index_n_heads, a.index_head_dim)
+        q = linear(q_latent, lw.idx_q).view(T, a.index_n_heads, a.index_head_dim)
         q = torch.cat((self.rope_index(q[..., :r], cos, sin), q[..., r:]), dim=-1)  # (T, ih, d)
         w = head_w.float() * a.index_n_heads ** -0.5  # (T, ih)
         out = Selection()

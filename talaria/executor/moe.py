@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from talaria.contracts.arch import ModelArch
 from talaria.executor.checkpoint import CheckpointError
 from talaria.executor.parallel import Shard
+from talaria.executor.matmul import linear
 from talaria.executor.quant import QStack, WeightReader, dense
 
 Shape = tuple[int, ...]
@@ -182,7 +183,7 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
     by_token[order] = y  # back in assignment order
     out = torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum
     if lw.shared_gate_up is not None:  # every token also runs the shared expert(s): Qwen's gated
-        gate, up = F.linear(h, dense(lw.shared_gate_up, h.dtype)).chunk(2, dim=-1)  # (T, Is_local) each
-        shared = F.linear(F.silu(gate) * up, dense(lw.shared_down, h.dtype))  # (T, H), partial over ranks
-        out += shared if lw.shared_gate is None else torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # gate (T, 1)
+        gate, up = linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
+        shared = linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
+        out += shared if lw.shared_gate is None else torch.sigmoid(linear(h, lw.shared_gate)) * shared  # gate (T, 1)
     return out
