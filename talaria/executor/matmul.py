@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from talaria.executor.quant import Weight, dense
+from talaria.executor.quant import QStack, QWeight, Weight, quantized_linear
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ w (out, in)^T + bias -> (..., out), in x's dtype."""
-    return F.linear(x, dense(w, x.dtype), bias)
+    if isinstance(w, (QWeight, QStack)):
+        return quantized_linear(x, w, bias)
+    return F.linear(x, w, bias)

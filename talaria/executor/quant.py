@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from talaria.executor.checkpoint import CheckpointError, ShardReader
 
@@ -127,23 +128,119 @@ class QStack:
 Weight = torch.Tensor | QWeight | QStack
 
 
-def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """`w` as a plain tensor of the model's `dtype`: a quantized one dequantized (a temporary), a
-    plain one as it is."""
+def dense(w: Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`w` as a plain tensor of the model's `dtype`: a quantized one dequantized (into `out` when
+    given, else a new tensor), a plain one as it is."""
     if isinstance(w, torch.Tensor):
         return w
+    if out is None:
+        out = torch.empty(w.shape, dtype=dtype, device=w.tensors()[0].device)
     if isinstance(w, QStack):
-        return torch.cat([dense(p, dtype) for p in w.parts], dim=-2)
+        row = 0
+        for p in w.parts:
+            n = p.shape[-2]
+            part = out[..., row:row + n, :]
+            if isinstance(p, torch.Tensor):
+                part.copy_(p)
+            else:
+                dense(p, dtype, part)
+            row += n
+        return out
     rows, cols = w.shape[-2:]
+    (b0, b1), (o0, o1) = w.block, w.offset
     if w.kind == FP8:
-        values, scale = w.data.to(dtype), w.scale.to(dtype)
+        out.copy_(w.data)
+        scale = w.scale.to(dtype)
+        if (o0, o1) == (0, 0) and rows % b0 == 0 and cols % b1 == 0 and out.is_contiguous():  # whole blocks: in place
+            lead = out.shape[:-2]
+            out.view(*lead, rows // b0, b0, cols // b1, b1).mul_(scale[..., :, None, :, None])
+            return out
     else:
         codes = torch.stack((w.data & 0xF, w.data >> 4), dim=-1).flatten(-2)  # (..., out, in): low nibble first
-        values = torch.tensor(E2M1, dtype=dtype, device=w.data.device)[codes.long()]
+        out.copy_(torch.tensor(E2M1, dtype=dtype, device=w.data.device)[codes.long()])
         scale = w.scale.to(dtype) * w.scale2.to(dtype).unsqueeze(-1)
-    (b0, b1), (o0, o1) = w.block, w.offset
-    scale = scale.repeat_interleave(b0, dim=-2)[..., o0:o0 + rows, :].repeat_interleave(b1, dim=-1)[..., o1:o1 + cols]
-    return values * scale
+    out.mul_(scale.repeat_interleave(b0, dim=-2)[..., o0:o0 + rows, :].repeat_interleave(b1, dim=-1)[..., o1:o1 + cols])
+    return out
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(shape: Shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer for a dequantized weight of `shape`: one per shape, dtype and device, so a
+    model's products dequantize into a handful of layer-sized buffers, never a model-sized copy. Its
+    contents last until the next product of the same shape: use it at once."""
+    key = (tuple(shape), dtype, device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
+    return _SCRATCH[key]
+
+
+def quantized_linear(x: torch.Tensor, w: QWeight | QStack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ w^T (+ bias) for a packed weight: an FP8 one through the device's block-scaled
+    FP8 GEMM where it runs and fits (`fp8_gemm_runs`), the activations quantized per token in groups
+    of the block's width; otherwise dequantized into a scratch buffer of x's dtype first."""
+    if isinstance(w, QStack) and all(_fp8_fits(p, x) for p in w.parts):
+        y = torch.cat([quantized_linear(x, p) for p in w.parts], dim=-1)
+        return y if bias is None else y + bias
+    if isinstance(w, QWeight) and _fp8_fits(w, x):
+        y = fp8_block_mm(x.reshape(-1, x.shape[-1]), w, x.dtype).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+    return F.linear(x, dense(w, x.dtype, scratch(w.shape, x.dtype, x.device)), bias)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (float8_e4m3fn (M, K), float32 scales (M, K / group)): each token's groups of
+    `group` columns scaled by their own absolute maximum (DeepSeek-V3's 1x128 activation blocks)."""
+    m, k = x.shape
+    g = x.float().view(m, k // group, group)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (g / scale[..., None]).to(torch.float8_e4m3fn).view(m, k), scale
+
+
+def fp8_block_mm(x: torch.Tensor, w: QWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """x (M, K) @ w^T with `torch._scaled_mm`'s block-wise scaling (1 x b1 activation groups, b0 x b1
+    weight blocks): one FP8 GEMM on devices whose kernels take these scales."""
+    xq, sx = quantize_activations(x, w.block[1])
+    return torch._scaled_mm(xq, w.data.t(), scale_a=sx, scale_b=w.scale.t(), out_dtype=out_dtype)
+
+
+_FP8_GEMM: dict[torch.device, bool] = {}
+
+
+def fp8_gemm_runs(device: torch.device) -> bool:
+    """Whether the block-scaled FP8 GEMM runs on `device` and agrees with the dequantized product,
+    found once per device on a toy problem (CUDA only: CPU kernels take only tensor- and row-wise
+    scales). Any failure or disagreement keeps the dequantize path."""
+    if device.type != "cuda":
+        return False
+    if device not in _FP8_GEMM:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(16, 256, device=device, generator=gen, dtype=torch.bfloat16)
+            w = torch.randn(256, 256, device=device, generator=gen)
+            s = w.view(2, 128, 2, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+            q = QWeight(FP8, (w.view(2, 128, 2, 128) / s[:, None, :, None]).view(256, 256).to(torch.float8_e4m3fn),
+                        s, None, (128, 128), (0, 0))
+            want = F.linear(x.float(), dense(q, torch.float32))
+            got = fp8_block_mm(x, q, torch.bfloat16).float()
+            _FP8_GEMM[device] = bool(((got - want).norm() / want.norm()) < 0.05)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError):
+            _FP8_GEMM[device] = False
+    return _FP8_GEMM[device]
+
+
+def _fp8_fits(w: QWeight | torch.Tensor, x: torch.Tensor) -> bool:
+    """An FP8 weight of whole blocks (no TP slice inside one), 2-D, in a half-precision model on a
+    device whose FP8 GEMM runs."""
+    if not isinstance(w, QWeight) or w.kind != FP8 or w.data.dim() != 2 or w.offset != (0, 0):
+        return False
+    (rows, cols), (b0, b1) = w.shape, w.block
+    return (x.dtype in (torch.bfloat16, torch.float16) and rows % b0 == 0 and cols % b1 == 0
+            and fp8_gemm_runs(x.device))
 
 
 def stored_kind(ckpt: ShardReader, name: str) -> str | None:
