@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check (docs/gpu.md): everything Talaria has to show on one CUDA GPU, in one run
-# of at most 8 minutes on an H200, written into one results folder.
+# of at most 8.5 minutes on an H200, written into one results folder.
 #
 #   bench/gpu_check.sh [--dry-run] RESULTS_DIR
 #
@@ -13,6 +13,8 @@
 #   layer-floor        bench/layer_floor.py: bf16 8B-dense, 30B-A3B-MoE, Qwen3.5-122B-A10B (3 Gated
 #                      DeltaNet + 1 gated attention) and GLM-5 (2 MLA + sparse-attention indexer, 256
 #                      experts) layers, prefill and decode per layer against the HBM-bandwidth floor
+#   layer-floor-fp8    the same for the 8B-dense and 30B-A3B shapes with FP8 block-scaled projections
+#                      (the packed path: torch._scaled_mm where it runs, else dequantized), on the packed bytes
 #   deltanet           bench/deltanet_prefill.py: one Qwen3.5-122B-A10B Gated DeltaNet layer's
 #                      8,192-token prefill, chunked against the recurrence (target 5x), and their
 #                      float64 agreement
@@ -43,13 +45,13 @@ if [ $DRY -eq 1 ]; then
   # a fast subset: one family through batching and prefix reuse, the host KV copy paths
   SELECT="(batched_prompts and llama) or substrate_copies"
   SELECT32="batched_prompts and llama"
-  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=60 BUDGET_DELTANET=60 BUDGET_SWITCH=60 BUDGET_PROFILE=60
+  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=60 BUDGET_FP8=60 BUDGET_DELTANET=60 BUDGET_SWITCH=60 BUDGET_PROFILE=60
 else
   DEVICE=cuda; TINY=; QUICK=; REPEATS=; DELTANET=
   SELECT="not tp2 and not tp4 and not tp_group"  # one GPU: a TP group of n ranks needs n GPUs
   SELECT32=$SELECT
-  # 436 s with the machine step, and at most 5 s more per step to stop one that overran: < 8 minutes
-  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=65 BUDGET_DELTANET=25 BUDGET_SWITCH=50 BUDGET_PROFILE=48
+  # 466 s with the machine step, and at most 5 s more per step to stop one that overran: < 8.5 minutes
+  BUDGET_EQ64=120 BUDGET_EQ32=60 BUDGET_LAYERS=65 BUDGET_FP8=30 BUDGET_DELTANET=25 BUDGET_SWITCH=50 BUDGET_PROFILE=48
 fi
 EQ64="tests/executor/test_engine_equivalence.py tests/executor/test_substrate_equivalence.py
       tests/executor/test_substrate_faults.py tests/executor/test_substrate_copies.py tests/executor/test_sampler.py
@@ -110,6 +112,8 @@ done
 
 step layer-floor "$BUDGET_LAYERS" "$PY" bench/layer_floor.py --device "$DEVICE" $TINY $REPEATS \
   --json "$OUT/layer_floor.json"
+step layer-floor-fp8 "$BUDGET_FP8" "$PY" bench/layer_floor.py --device "$DEVICE" $TINY $REPEATS --fp8 \
+  --shapes 8b-dense,30b-a3b-moe --json "$OUT/layer_floor_fp8.json"
 # shellcheck disable=SC2086  # the options split on purpose
 step deltanet "$BUDGET_DELTANET" "$PY" bench/deltanet_prefill.py --device "$DEVICE" $DELTANET \
   --json "$OUT/deltanet.json"

@@ -1,8 +1,12 @@
 """Per-layer prefill and decode time of 8B-dense, 30B-A3B-MoE, Qwen3.5-122B-A10B and GLM-5 layer sets,
 against the HBM floor.
 
-    python bench/layer_floor.py [--device cuda|cpu] [--dtype D] [--tiny] [--shapes a,b]
+    python bench/layer_floor.py [--device cuda|cpu] [--dtype D] [--tiny] [--shapes a,b] [--fp8]
                                 [--repeats N] [--json PATH]
+
+``--fp8`` packs the projections as an FP8 block-scaled checkpoint keeps them (128 x 128 blocks;
+norms, routers and the embedding plain): the engine's quantized path (talaria/executor/quant.py),
+its floor counting the packed bytes and their scales.
 
 A few layers of each shape (bench/gpu_shapes.py) are built with weights drawn by torch on the
 device — nothing is read from or written to disk — and run through the engine's own forward
@@ -67,6 +71,7 @@ from talaria.executor.kv_cache import KVCache
 from talaria.executor.llama import LlamaModel
 from talaria.executor.mla import mla_shapes
 from talaria.executor.parallel import Shard, TPGroup
+from talaria.executor.quant import FP8, FP8_MAX, QWeight
 from talaria.executor.weights import LayerWeights, ModelWeights
 from talaria.models.synthetic import synthetic_arch
 
@@ -103,11 +108,21 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
 
 # ---- a few layers, weights drawn on the device --------------------------------------------------
 
-def build(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def build(arch: ModelArch, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> LlamaModel:
+    """`fp8`: the projections packed as an FP8 block-scaled checkpoint keeps them (128 x 128 blocks,
+    talaria/executor/quant.py); norms, routers and the embedding plain."""
     g = torch.Generator(device=device).manual_seed(0)
 
-    def lin(*shape: int) -> torch.Tensor:  # (..., out, in), scaled by 1/sqrt(in) like a real init
+    def plain(*shape: int) -> torch.Tensor:  # (..., out, in), scaled by 1/sqrt(in) like a real init
         return torch.randn(shape, generator=g, device=device, dtype=dtype).mul_(shape[-1] ** -0.5)
+
+    def lin(*shape: int) -> torch.Tensor | QWeight:
+        if not fp8:
+            return plain(*shape)
+        *lead, rows, cols = shape
+        data = torch.randn(shape, generator=g, device=device).mul_(64).clamp_(-FP8_MAX, FP8_MAX)
+        scale = torch.full((*lead, -(-rows // 128), -(-cols // 128)), cols ** -0.5 / 64, device=device)
+        return QWeight(FP8, data.to(torch.float8_e4m3fn), scale, None, (128, 128), (0, 0))
 
     def norm(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
@@ -137,22 +152,24 @@ def build(arch: ModelArch, dtype: torch.dtype, device: torch.device) -> LlamaMod
                               o_proj=lin(h, arch.q_size), post_norm=norm(h))
         if arch.is_moe_layer(i):
             e, m = arch.num_experts, arch.moe_intermediate_size
-            lw.router, lw.experts_gate_up, lw.experts_down = lin(e, h), lin(e, 2 * m, h), lin(e, h, m)
+            lw.router, lw.experts_gate_up, lw.experts_down = plain(e, h), lin(e, 2 * m, h), lin(e, h, m)
             if arch.router_scoring == "sigmoid":  # the selection bias: 0 chooses by the scores alone
                 lw.router_bias = norm(e).zero_()
             if arch.shared_expert_intermediate_size:
                 sh = arch.shared_expert_intermediate_size
                 lw.shared_gate_up, lw.shared_down = lin(2 * sh, h), lin(h, sh)
-                lw.shared_gate = lin(1, h) if arch.shared_expert_gated else None
+                lw.shared_gate = plain(1, h) if arch.shared_expert_gated else None
         else:
             lw.gate_up, lw.down = lin(2 * arch.intermediate_size, h), lin(h, arch.intermediate_size)
         layers.append(lw)
-    embed = lin(arch.vocab_size, h)
+    embed = plain(arch.vocab_size, h)
     weights = ModelWeights(embed=embed, layers=layers, norm=norm(h), lm_head=embed)
     return LlamaModel(arch, shard, weights, TPGroup(0, 1), dtype)
 
 
-def nbytes(t: torch.Tensor | None) -> int:
+def nbytes(t: torch.Tensor | QWeight | None) -> int:
+    if isinstance(t, QWeight):
+        return sum(nbytes(x) for x in t.tensors())
     return 0 if t is None else t.numel() * t.element_size()
 
 
@@ -182,9 +199,10 @@ def decode_plan(batch: int, context: int) -> StepPlan:
 class Layers:
     """The model, its paged KV, and a way to run a plan's forward and see its routing."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int, seqs: int) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, pages: int, seqs: int,
+                 fp8: bool = False) -> None:
         self.arch, self.device = arch, device
-        self.model = build(arch, dtype, device)
+        self.model = build(arch, dtype, device, fp8)
         self.layout = layout = kv_layout(arch, 1, PAGE_SIZE, str(dtype).removeprefix("torch."))
         states = torch.zeros((seqs, layout.state_bytes), dtype=torch.uint8, device=device) if layout.stateful else None
         self.kv = KVCache(torch.empty((pages + 1, layout.page_bytes), dtype=torch.uint8, device=device), layout,
@@ -257,11 +275,11 @@ def decode_context(arch: ModelArch, sizes: dict) -> int:
 
 
 def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device, sizes: dict,
-            bandwidth: float, repeats: int, log) -> dict:
+            bandwidth: float, repeats: int, log, fp8: bool = False) -> dict:
     c = decode_context(arch, sizes)
     pages = max(math.ceil(sizes["prefill"] / PAGE_SIZE), max(sizes["batches"]) * math.ceil(c / PAGE_SIZE))
     log(f"{name}: building {arch.num_layers} layers on {device} ({dtype}), {pages} KV pages")
-    layers = Layers(arch, dtype, device, pages, max(sizes["batches"]))
+    layers = Layers(arch, dtype, device, pages, max(sizes["batches"]), fp8)
     p = sizes["prefill"]
     log(f"{name}: prefill {p} tokens")
     prefill = layers.row(prefill_plan(p), [p * t for t in layers.token_bytes], bandwidth, repeats)
@@ -278,8 +296,8 @@ def measure(name: str, arch: ModelArch, dtype: torch.dtype, device: torch.device
     del layers
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"arch": dims, "family": arch.family, "dtype": str(dtype).removeprefix("torch."), "prefill": prefill,
-            "decode": decode}
+    return {"arch": dims, "family": arch.family, "dtype": str(dtype).removeprefix("torch."), "fp8_weights": fp8,
+            "prefill": prefill, "decode": decode}
 
 
 def layer_set(name: str, tiny: bool) -> ModelArch:
@@ -311,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per step (the median is kept)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     ap.add_argument("--json", type=Path, default=Path("bench/results/layer_floor.json"))
+    ap.add_argument("--fp8", action="store_true", help="projections as FP8 block-scaled weights (128 x 128 blocks): "
+                    "the engine's packed path, its floor the packed bytes")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device; use --device cpu --tiny")
@@ -327,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMALL if args.tiny else FULL
     bandwidth = copy_bandwidth(device, sizes["copy_bytes"], args.repeats)
     log(f"copy bandwidth: {bandwidth / 2**30:.1f} GiB/s (read + write)")
-    results = {n: measure(n, layer_set(n, args.tiny), dtype, device, sizes, bandwidth, args.repeats, log)
+    results = {n: measure(n, layer_set(n, args.tiny), dtype, device, sizes, bandwidth, args.repeats, log, args.fp8)
                for n in names}
     print(table(results))
     print(f"(floor: bytes a layer moves / {bandwidth / 2**30:.1f} GiB/s measured copy bandwidth; ratio = time / floor)")

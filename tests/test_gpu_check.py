@@ -14,7 +14,7 @@ from talaria.config.loader import load_config
 from talaria.contracts.profile_file import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["machine", "equivalence-float64", "equivalence-float32", "layer-floor", "deltanet", "switch",
+STEPS = ["machine", "equivalence-float64", "equivalence-float32", "layer-floor", "layer-floor-fp8", "deltanet", "switch",
          "profile-8b-dense", "profile-30b-a3b-moe"]
 SHAPES = ["8b-dense", "30b-a3b-moe"]  # the profiled shapes; the layer floor measures a hybrid and an MLA set too
 LAYER_SHAPES = [*SHAPES, "qwen3.5-122b-layers", "glm5-layers"]
@@ -74,6 +74,15 @@ def test_layer_floor_rows_are_times_over_bandwidth_floors(results: Path) -> None
             assert all("experts_per_layer" not in r for r in rows)
         if arch["indexer_types"]:  # GLM-5: decoded past index_topk, so its indexer chooses the tokens
             assert all(d["context"] > arch["index_topk"] for d in shape["decode"])
+
+
+def test_the_fp8_layer_floor_counts_the_packed_bytes(results: Path) -> None:
+    """The same shapes with FP8 projections read fewer bytes a layer than in float32: the packed ones."""
+    plain = json.loads((results / "layer_floor.json").read_text())["shapes"]
+    fp8 = json.loads((results / "layer_floor_fp8.json").read_text())["shapes"]
+    assert list(fp8) == SHAPES and all(fp8[s]["fp8_weights"] for s in SHAPES)
+    for s in SHAPES:
+        assert fp8[s]["decode"][0]["bytes_per_layer"] < 0.5 * plain[s]["decode"][0]["bytes_per_layer"], s
 
 
 def test_switch_bench_ran_both_paths_at_toy_sizes(results: Path) -> None:
