@@ -104,6 +104,9 @@ def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, Mode
                       layout.page_bytes)
         caches.append(f'instance "{inst.name}" model "{name}" cache: {layout.describe()}'
                       + (f"; {slots} state slots" if slots else ""))
+        if name in ratios:  # a quantized checkpoint: what its packed weights take here
+            caches.append(f'instance "{inst.name}" model "{name}" weights: ~{format_size(need[name][0])} per rank, '
+                          f"packed ({ratios[name]:.2f}x the plain bytes)")
     name, (weights, states, page) = max(need.items(), key=lambda item: _arena_need(*item[1]))
     kv = MIN_KV_PAGES * page
     if inst.arena_bytes < _arena_need(weights, states, page):
