@@ -104,6 +104,10 @@ def _check_arena(cfg: TalariaConfig, inst: InstanceConfig, archs: dict[str, Mode
                       layout.page_bytes)
         caches.append(f'instance "{inst.name}" model "{name}" cache: {layout.describe()}'
                       + (f"; {slots} state slots" if slots else ""))
+        if arch.is_mla and inst.tp > 1 and inst.host_kv_bytes:  # every rank saves its own copy (docs/models.md)
+            caches.append(f'instance "{inst.name}" model "{name}": its latent is whole on each of the {inst.tp} '
+                          f"ranks, so host KV keeps {inst.tp} copies: {inst.tp * layout.token_bytes} B a token "
+                          "on the node")
         if name in ratios:  # a quantized checkpoint: what its packed weights take here
             caches.append(f'instance "{inst.name}" model "{name}" weights: ~{format_size(need[name][0])} per rank, '
                           f"packed ({ratios[name]:.2f}x the plain bytes)")

@@ -182,3 +182,18 @@ def test_yarn_rope_and_its_softmax_scale_equal_transformers(tmp_path, profile_fo
     assert [tokens(outs[str(i)]) for i in range(2)] == [ref.greedy(LONG), ref.greedy(PROMPTS["dsv3"])]
     plain = Reference(files, hf_greedy(build("deepseek_v3")))
     assert plain.greedy(LONG) != ref.greedy(LONG), "YaRN changed nothing: the case does not discriminate"
+
+
+def test_the_file_checks_say_what_the_replicated_latent_costs_in_host_memory(refs, tmp_path):
+    from talaria.config.loader import load_config
+    from talaria.node.preflight import check_files
+
+    glm = refs["glm"].files
+    (tmp_path / "talaria.toml").write_text(
+        f'[[models]]\nname = "glm"\nsource = "{glm.directory}"\ndtype = "float64"\n\n'
+        '[[instances]]\nname = "c"\npool = "cold"\nmodels = ["glm"]\ntp = 4\narena_bytes = 16777216\n')
+    info = check_files(load_config(tmp_path / "talaria.toml"))
+    token = kv_layout(glm.arch, 4, 16, "float64").token_bytes
+    assert any('model "glm": glm_moe_dsa' in line and "4 heads on a latent of 16 + 8 (MLA)" in line for line in info)
+    assert (f'instance "c" model "glm": its latent is whole on each of the 4 ranks, so host KV keeps 4 copies: '
+            f"{4 * token} B a token on the node") in info
