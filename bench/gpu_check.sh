@@ -55,7 +55,8 @@ else
 fi
 EQ64="tests/executor/test_engine_equivalence.py tests/executor/test_substrate_equivalence.py
       tests/executor/test_substrate_faults.py tests/executor/test_substrate_copies.py tests/executor/test_sampler.py
-      tests/executor/test_moe_equivalence.py tests/executor/test_hybrid_equivalence.py tests/executor/test_deltanet.py"
+      tests/executor/test_moe_equivalence.py tests/executor/test_hybrid_equivalence.py tests/executor/test_deltanet.py
+      tests/executor/test_mla_equivalence.py tests/executor/test_quantized_equivalence.py tests/executor/test_quant.py"
 EQ32="tests/executor/test_engine_equivalence.py tests/executor/test_moe_equivalence.py"
 SHAPES="8b-dense 30b-a3b-moe"
 
