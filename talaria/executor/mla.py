@@ -8,13 +8,15 @@ layer: 576 for GLM-5 and DeepSeek-V3). `kv_b` expands c into each head's nope ke
 k_h = [W_UK_h c, k_r], v_h = W_UV_h c. Queries go through a low-rank bottleneck (q_a, RMSNorm, q_b)
 into each head's nope and rope parts.
 
-**Prefill expands; decode attends over the latent.** A prompt chunk expands its context's latents
-into keys and values (one matmul, then ordinary attention: the work is the chunk's queries times its
-context either way). A decoding query instead absorbs W_UK into itself, q_h' = [W_UK_h^T q_nope_h,
-q_rope_h], scores q_h' . [c_j, k_r_j] over the cached latents as they are, sums the probabilities
-into a latent output, and applies W_UV_h once: per step it reads the 576 numbers of each cached token
-rather than expanding every token into heads x (nope + v) numbers (`bench/engine.py`'s MLA row).
-Both equal the reference's expanded attention up to summation order.
+**Long prompt chunks expand; decode and short chunks attend over the latent.** A decoding query
+absorbs W_UK into itself, q_h' = [W_UK_h^T q_nope_h, q_rope_h], scores q_h' . [c_j, k_r_j] over the
+cached latents as they are, sums the probabilities into a latent output, and applies W_UV_h once: per
+step it reads the 576 numbers of each cached token rather than expanding every token into heads x
+(nope + v) numbers (`bench/engine.py`'s MLA row). A prompt chunk does the same when it is short (an
+agent's tool result after a prefix hit: `MLA.absorbs`, below ~400 queries at GLM-5's dims); a long
+one expands its context's latents into keys and values (one matmul, then ordinary attention), which
+then costs less than the absorbed form's wider scores. All equal the reference's expanded attention
+up to summation order.
 
 **Sparse attention (GLM-5's DSA).** An indexer scores every past token for each query: its own
 queries from the query latent, one key a token (`index_k`, cached on the layers that run it),
@@ -138,7 +140,8 @@ class MLA:
         for i, p in enumerate(meta.prefills):
             ctx = latent[p.row:p.row + p.q_len] if p.mask is None else _gather(cache, p.pages, 1, p.ctx)[0]
             sel = selection.prefills[i] if selection is not None else None
-            out[p.row:p.row + p.q_len] = self._prefill(q[p.row:p.row + p.q_len], ctx, p.mask, kv_b, sel)
+            chunk = self._latent_prefill if self.absorbs(p.q_len) else self._prefill
+            out[p.row:p.row + p.q_len] = chunk(q[p.row:p.row + p.q_len], ctx, p.mask, kv_b, sel)
         return linear(out.reshape(T, -1), lw.o_proj), selection
 
     def _prefill(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, kv_b: torch.Tensor,
@@ -155,6 +158,34 @@ class MLA:
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=self.scale)  # (hl, n, v)
         return o.transpose(0, 1)
+
+    def absorbs(self, n: int) -> bool:
+        """Whether a chunk of `n` queries attends over the latent directly (else it expands its
+        context): expanding costs every context token ld (nope + v) multiply-adds a head, whatever n;
+        the latent-direct form costs each query-token pair 2 ld + r - qk - v more a head than expanded
+        attention does. So latent-direct wins below n = ld (nope + v) / (2 ld + r - qk - v) queries, at
+        any context length: ~400 at GLM-5's dims (an agent's tool result after a prefix hit)."""
+        a = self.a
+        extra = 2 * a.kv_lora_rank + a.qk_rope_head_dim - a.head_dim - a.v_head_dim
+        return extra <= 0 or n * extra < a.kv_lora_rank * (a.qk_nope_head_dim + a.v_head_dim)
+
+    def _latent_prefill(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, kv_b: torch.Tensor,
+                        sel: torch.Tensor | None) -> torch.Tensor:
+        """Latent-direct attention of a chunk's queries q (n, hl, nope + r) over its context's latents
+        (L, ld + r) -> (n, hl, v), as a decode step's: `mask` (n, L) its causal window (None: the chunk
+        is the whole context)."""
+        a = self.a
+        ld, nope = a.kv_lora_rank, a.qk_nope_head_dim
+        n, length = q.shape[0], ctx.shape[0]
+        keep = mask if mask is not None else torch.ones(n, length, dtype=torch.bool, device=q.device).tril_(length - n)
+        keep = keep if sel is None else keep & sel
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), kv_b[:, :nope])  # (hl, n, ld): W_UK absorbed
+        q = torch.cat((q_latent, q[..., nope:].transpose(0, 1)), dim=-1)  # (hl, n, ld + r)
+        scores = torch.matmul(q, ctx.t()) * self.scale  # (hl, n, L)
+        scores.masked_fill_(~keep, float("-inf"))
+        low = torch.float32 if q.element_size() < 4 else None  # half precision: softmax in float32
+        o_latent = torch.matmul(scores.softmax(dim=-1, dtype=low).to(q.dtype), ctx[:, :ld])  # (hl, n, ld)
+        return torch.bmm(o_latent, kv_b[:, nope:].transpose(1, 2)).transpose(0, 1)  # W_UV: (n, hl, v)
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch, kv_b: torch.Tensor,
                 sel: torch.Tensor | None) -> torch.Tensor:

@@ -197,3 +197,25 @@ def test_the_file_checks_say_what_the_replicated_latent_costs_in_host_memory(ref
     assert any('model "glm": glm_moe_dsa' in line and "4 heads on a latent of 16 + 8 (MLA)" in line for line in info)
     assert (f'instance "c" model "glm": its latent is whole on each of the 4 ranks, so host KV keeps 4 copies: '
             f"{4 * token} B a token on the node") in info
+
+
+def test_a_short_chunk_over_the_latent_equals_the_expanded_attention(refs):
+    """The two forms a prompt chunk may take (`MLA.absorbs` picks), on the same queries, context and
+    sparse selection: equal to float64 rounding; and the rule picks latent-direct for short chunks."""
+    from talaria.executor.mla import MLA
+    from talaria.executor.rope import softmax_scale
+
+    arch = refs["glm"].files.arch
+    mla = MLA(Shard(0, 1, arch), softmax_scale(arch))
+    g = torch.Generator().manual_seed(2)
+    n, length, hl = 7, 30, arch.num_heads
+    q = torch.randn(n, hl, arch.head_dim, generator=g, dtype=torch.float64)
+    ctx = torch.randn(length, arch.latent_dim, generator=g, dtype=torch.float64)
+    kv_b = torch.randn(hl, arch.qk_nope_head_dim + arch.v_head_dim, arch.kv_lora_rank, generator=g, dtype=torch.float64)
+    causal = torch.ones(n, length, dtype=torch.bool).tril_(length - n)
+    sel = torch.rand(n, length, generator=g) < 0.6
+    sel[:, 0] = True  # every query keeps a token
+    for mask, chosen in ((causal, None), (causal, sel)):
+        a, b = mla._latent_prefill(q, ctx, mask, kv_b, chosen), mla._prefill(q, ctx, mask, kv_b, chosen)
+        assert (a - b).abs().max() < 1e-12
+    assert mla.absorbs(1) and mla.absorbs(12) and not mla.absorbs(40)  # 16 (8 + 12) / (32 + 8 - 16 - 12) = 26.7
