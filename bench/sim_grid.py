@@ -13,7 +13,9 @@ Talaria's SCT p50 and p95 are each at most 1.02 x every other variant's. Every c
 passing or not. `--sp-batch` sets every variant's SP admission rule (talaria/instance/sp_batch.py;
 default: the config's default).
 
-Progress goes to stderr, one table row per cell to stdout, everything to the JSON (default
+After the grid, the cells at T_ttft 20 s and the profile's intercept are printed against the
+paper's figures as bench/paper_figures.py prints them (issue 35). Progress goes to stderr, one table
+row per cell to stdout, everything to the JSON (default
 bench/results/sim_grid.json). Exits 1 when a cell fails.
 """
 
@@ -28,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: this tree's talaria first
 
+from paper_figures import VARIANTS, rows_of  # bench/paper_figures.py, beside this script
+from paper_figures import table as paper_table
 from report import (  # bench/report.py, beside this script
     ProgressLog,
     environment,
@@ -97,6 +101,11 @@ def main() -> int:
                      f"{c['variants']['talaria']['ttft_attainment']:.1%}",
                      f"{c['worst_ratio']['p50']:.3f} / {c['worst_ratio']['p95']:.3f}", "yes" if c["passed"] else "NO"))
     print(render(rows))
+    # issue 35: the paper's table for the cells at its operating point (T_ttft 20 s, the profile's intercept)
+    paper = {c["seed"]: c["variants"] for c in cells if c["ttft_s"] == 20 and c["intercept"] == "profile"}
+    if paper and all(set(VARIANTS) <= set(v) for v in paper.values()):
+        print("\nAgainst the paper (bench/paper_figures.py's rows):")
+        print(paper_table(rows_of(paper)))
     write_json(args.json, {"tolerance": TOLERANCE, "cells": cells, "complete": True,
                            "passed": all(c["passed"] for c in cells),
                            **environment(log, load)}, log)
