@@ -266,6 +266,11 @@ class Stager:
             clean += writing.src.size
         return clean / self._target.weight_bytes
 
+    def held_bytes(self) -> int:
+        """Device bytes the staged image occupies now: chunks written (CLEAN) or being written. A
+        DIRTY chunk's bytes belong to the KV pages that overwrote it, so they are not counted twice."""
+        return sum(c.src.size for c in self._placed if self._state[c.index] in (ChunkState.CLEAN, ChunkState.WRITING))
+
     def _check_idle(self, what: str) -> None:
         writing = [c.index for c in self._placed if self._state[c.index] is ChunkState.WRITING]
         if writing:

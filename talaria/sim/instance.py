@@ -181,4 +181,7 @@ class SimInstance:
             fixed = self._hbm_fixed[model] = (plan.weights.size + plan.states.size + self.runtime_bytes,
                                               plan.page_bytes)
         used = fixed[0] + self.scheduler.batchers[model].pages.num_used * fixed[1]
+        stager = self.memory.stager
+        if stager is not None:  # the next model's chunks in the KV tail hold HBM too (paper §4.4, Fig. 15)
+            used += stager.held_bytes()
         self.hbm_peak_bytes = max(self.hbm_peak_bytes, used)

@@ -283,5 +283,17 @@ def test_slack_and_coverage():
     assert s.slack_bytes(free_except(19)) == 0 and s.slack_bytes(all_free) == 1808
 
 
+def test_held_bytes_count_written_and_in_flight_chunks_but_not_dirty_ones():
+    s = staged_b()
+    assert s.held_bytes() == 0
+    c0 = s.next_chunk(all_free)
+    assert s.held_bytes() == 4096  # a chunk being written already holds its destination
+    s.written(c0)
+    stage_all(s)
+    assert s.held_bytes() == 10_000
+    s.on_allocate([19])  # chunk 2's bytes now belong to a KV page
+    assert s.held_bytes() == 8192
+
+
 def test_switch_path_severity_order():
     assert [p.severity for p in (SwitchPath.FULL_D2D, SwitchPath.PARTIAL, SwitchPath.H2D_ONLY)] == [0, 1, 2]
