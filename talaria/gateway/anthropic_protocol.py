@@ -1,19 +1,31 @@
 """Anthropic Messages API request bodies (`POST /v1/messages`, `/v1/messages/count_tokens`), parsed.
 
-A Messages request becomes the same `ParsedRequest` a chat completion does: its content blocks are
-converted to the chat shape the rest of the gateway speaks (talaria/gateway/chat_prompt.py) —
-`system` (a string or text blocks) to a system message, `text` blocks to content, an assistant's
-`tool_use` blocks to `tool_calls` (input as JSON text), a user's `tool_result` blocks to `tool`
-messages — and its tools and `tool_choice` to a `Tools` (`any` is "required", `tool` a named
-function, both constrained). `cache_control` is accepted anywhere (Talaria caches every prefix);
-`thinking` blocks of earlier turns are dropped; images, documents and server tools are refused by
-name. `output_config.format` (a JSON schema) constrains the answer as `response_format` does on chat. Choices where the API leaves room, all in docs/api.md:
+A Messages request becomes the same `ParsedRequest` a chat completion does: its turns are converted
+to the chat shape (talaria/gateway/anthropic_conversation.py has the block rules), `system` (a
+string or text blocks) becomes the first system message, and its tools and `tool_choice` a `Tools`
+(`any` is "required", `tool` a named function, both constrained). `cache_control` is accepted
+anywhere (Talaria caches every prefix); server tools are refused by name; `output_config.format` (a
+JSON schema) constrains the answer as `response_format` does on chat. Fields and headers it does
+not know (new betas: `speed`, `diagnostics`, `anthropic-beta`, `x-app`, ...) are accepted and
+ignored, as Anthropic's API ignores betas a model lacks. Choices where the API leaves room, all in
+docs/api.md, each made so that an agent's next prompt extends its last (the prefix stays cached):
 - `max_tokens` is required; larger than the context left after the prompt, the call runs with
   what is left (and reports `stop_reason: "max_tokens"` when that binds), because agents send 32000
   whatever the model.
-- the session: the `X-Session-Id` header, else the `_session_<id>` part of `metadata.user_id`,
-  else inferred from the conversation as for chat.
-- `thinking`: a reasoning model returns thinking blocks; any other ignores it.
+- the session: the `X-Session-Id` header, else `metadata.user_id`'s session — the `session_id` of
+  its JSON form (`{"device_id": ..., "account_uuid": ..., "session_id": ...}`, Claude Code 2.1 on)
+  or its `_session_<id>` ending (earlier versions) — else inferred from the conversation as for chat.
+- `thinking`: `enabled` and `adaptive` let a reasoning model reason (its template's default, also
+  when the field is absent; `budget_tokens` is not enforced, `max_tokens` bounds the answer);
+  `disabled` makes it answer without reasoning (talaria/gateway/chat_prompt.py); `display:
+  "omitted"` returns its thinking blocks empty. A model that does not reason ignores all of it.
+- `output_config.effort` is accepted and ignored: the model reasons as its template says.
+- `context_management.edits`: a `clear_thinking_*` edit's `keep` says which earlier turns' thinking
+  is shown to the model (`"all"`, or the latest N turns with thinking; N = 1 when absent); without
+  one no earlier thinking is. Other edits (`clear_tool_uses_*`) are accepted and ignored: the
+  prompt keeps every tool result, so it only grows.
+- tools with `defer_loading: true` are left out of the tools the template lists and shown where
+  the conversation loads them (anthropic_conversation.py).
 - the `x-anthropic-billing-header: ...` line Claude Code puts first in the system prompt differs
   on every request; with `[server] strip_billing_header` (on by default) it is dropped, so call k+1
   of a session reuses call k's prefix.
@@ -21,12 +33,15 @@ name. `output_config.format` (a JSON schema) constrains the answer as `response_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from talaria.config.schema import ServerConfig
 from talaria.contracts.call import SamplingParams
+from talaria.gateway.anthropic_conversation import BlockRules, conversation, text_block
 from talaria.gateway.chat_prompt import build_chat_prompt
 from talaria.gateway.errors import APIError
 from talaria.gateway.fields import Fields
@@ -47,7 +62,17 @@ from talaria.gateway.tools import Tools, parse_tools
 BILLING_HEADER = "x-anthropic-billing-header:"
 SESSION_IN_USER_ID = re.compile(r"_session_([A-Za-z0-9_-]{1,200})$")
 MAX_STOP_SEQUENCES = 16
-UNSUPPORTED_BLOCKS = ("image", "document", "search_result")  # Talaria serves text-only models
+THINKING_TYPES = ("enabled", "disabled", "adaptive")
+KEEP_ALL = ("all", {"type": "all"})  # a clear_thinking edit's `keep` that shows every turn's thinking
+DEFAULT_KEEP_TURNS = 1  # a clear_thinking edit without `keep`: the latest turn's thinking (Anthropic's default)
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """The request's `thinking`, as far as a model Talaria serves can honour it."""
+
+    on: bool = True  # a reasoning model reasons (False: `{"type": "disabled"}`)
+    shown: bool = True  # its reasoning's text is returned (False: `display: "omitted"`)
 
 
 def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, header_session_id: str | None = None,
@@ -64,16 +89,18 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
     top_k = f.integer("top_k", minimum=0, maximum=MAX_TOP_K)
     stream = f.boolean("stream", False)
     stops = _stop_sequences(f)
-    _thinking(f)
+    thinking = _thinking(f)
     session = header_session_id or _session_of(f)
     if session is not None and len(session) > MAX_SESSION_ID_CHARS:
         raise APIError.invalid(f"the session id must be at most {MAX_SESSION_ID_CHARS} characters", "metadata.user_id")
 
-    messages = _system(f, server.strip_billing_header) + _conversation(f)
     tools = _tools(f)
+    definitions = {d["function"]["name"]: d for d in tools.definitions} if tools is not None else {}
+    rules = BlockRules(definitions, _kept_thinking(f))
+    messages = _system(f, server.strip_billing_header) + conversation(f.get("messages"), rules)
     arch, tokenizer = catalog.arch(model), catalog.tokenizer(model)
     chat = build_chat_prompt(catalog, model, messages, tools, _output_format(f), prompts,
-                             format_param="output_config.format")
+                             format_param="output_config.format", thinking=thinking.on)
     room = arch.max_position - len(chat.ids)
     if room <= 0 and not count_only:  # a count is what tells a client its prompt is too long
         raise APIError.invalid(f"prompt is too long: {len(chat.ids)} tokens > {arch.max_position - 1} maximum",
@@ -82,13 +109,18 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
                               top_k=top_k or 0, stop_token_ids=tuple(tokenizer.eos_token_ids), grammar=chat.grammar)
     return ParsedRequest(Endpoint.MESSAGES, model, chat.ids, sampling, stream, False, stops, session,
                          chat.tool_format, chat.reasoning, messages, cache_salt(f),
-                         tool_schemas=chat.tool_schemas, reasoning_open=chat.reasoning_open)
+                         tool_schemas=chat.tool_schemas, reasoning_open=chat.reasoning_open,
+                         reasoning_shown=thinking.shown)
 
 
 def _output_format(f: Fields) -> str | None:
-    """`output_config.format` (structured outputs): a JSON schema the answer must follow, constrained."""
+    """`output_config.format` (structured outputs): a JSON schema the answer must follow, constrained.
+    `output_config.effort` is checked and ignored."""
     config = f.object("output_config")
-    fmt = config.get("format") if config is not None else None
+    if config is None:
+        return None
+    Fields(config, "output_config.").string("effort")
+    fmt = config.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
@@ -99,13 +131,24 @@ def _output_format(f: Fields) -> str | None:
 
 
 def _session_of(f: Fields) -> str | None:
+    """`metadata.user_id`'s session: the `session_id` of its JSON form, else its `_session_<id>` ending."""
     metadata = f.object("metadata")
     if metadata is None:
         return None
     user = metadata.get("user_id")
-    if user is not None and not isinstance(user, str):
+    if user is None:
+        return None
+    if not isinstance(user, str):
         raise APIError.invalid("metadata.user_id must be a string", "metadata.user_id")
-    found = SESSION_IN_USER_ID.search(user or "")
+    if user.startswith("{"):
+        try:
+            fields = json.loads(user)
+        except ValueError:
+            fields = None
+        if isinstance(fields, dict):
+            session = fields.get("session_id")
+            return session if isinstance(session, str) and session else None
+    found = SESSION_IN_USER_ID.search(user)
     return found.group(1) if found else None
 
 
@@ -120,14 +163,46 @@ def _stop_sequences(f: Fields) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _thinking(f: Fields) -> None:
-    """Accepted in its documented shapes; what it does depends on the model (see the module docstring)."""
+def _thinking(f: Fields) -> Thinking:
+    """`thinking` in its documented shapes; what a model makes of it is in the module docstring."""
     thinking = f.get("thinking")
     if thinking is None:
-        return
-    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        return Thinking()
+    if not isinstance(thinking, dict) or thinking.get("type") not in THINKING_TYPES:
         raise APIError.invalid('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "disabled"} '
                                'or {"type": "adaptive"}', "thinking")
+    fields = Fields(thinking, "thinking.")
+    fields.integer("budget_tokens", minimum=0)
+    display = fields.string("display")  # "summarized" (the default), "omitted"; later kinds show the text
+    return Thinking(on=thinking["type"] != "disabled", shown=display != "omitted")
+
+
+def _kept_thinking(f: Fields) -> int | None:
+    """How many of the latest assistant turns with thinking show it to the model (None: all), by the
+    request's `clear_thinking_*` edit; 0 without one. Other edits are ignored (module docstring)."""
+    management = f.object("context_management")
+    edits = management.get("edits", []) if management is not None else []
+    if not isinstance(edits, list):
+        raise APIError.invalid("context_management.edits must be an array", "context_management.edits")
+    kept: int | None = 0
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not isinstance(kind, str):
+            raise APIError.invalid(f'{where} must be an edit {{"type": ...}}', where)
+        if not kind.startswith("clear_thinking_"):
+            continue
+        keep = edit.get("keep", {"type": "thinking_turns", "value": DEFAULT_KEEP_TURNS})
+        if keep in KEEP_ALL:
+            kept = None
+        elif isinstance(keep, dict) and keep.get("type") == "thinking_turns":
+            kept = Fields(keep, f"{where}.keep.").integer("value", minimum=0)
+            if kept is None:
+                raise APIError.invalid(f"{where}.keep.value: field required", f"{where}.keep.value")
+        else:
+            raise APIError.invalid(f'{where}.keep must be "all", {{"type": "all"}} or '
+                                   f'{{"type": "thinking_turns", "value": N}}', f"{where}.keep")
+    return kept
 
 
 def _system(f: Fields, strip_billing: bool) -> list[dict[str, Any]]:
@@ -137,7 +212,7 @@ def _system(f: Fields, strip_billing: bool) -> list[dict[str, Any]]:
     if isinstance(system, str):
         texts = [system]
     elif isinstance(system, list):
-        texts = [_text_block(block, f"system[{i}]") for i, block in enumerate(system)]
+        texts = [text_block(block, f"system[{i}]") for i, block in enumerate(system)]
     else:
         raise APIError.invalid("system must be a string or an array of text blocks", "system")
     if strip_billing:
@@ -149,89 +224,15 @@ def _without_billing_line(text: str) -> str:
     return "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER)).strip("\n")
 
 
-def _text_block(block: Any, where: str) -> str:
-    if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
-        return block["text"]
-    raise APIError.invalid(f"{where} must be a text block {{\"type\": \"text\", \"text\": ...}}", where)
-
-
-def _conversation(f: Fields) -> list[dict[str, Any]]:
-    """The messages in chat shape: text joined, tool_use as tool_calls, tool_result as tool messages."""
-    messages = f.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError.invalid("messages must be a non-empty array", "messages")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise APIError.invalid(f'{where}.role must be "user" or "assistant"', f"{where}.role")
-        content = m.get("content")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(blocks, list):
-            raise APIError.invalid(f"{where}.content must be a string or an array of content blocks",
-                                   f"{where}.content")
-        out += _turn(role, blocks, where)
-    return out
-
-
-def _turn(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    texts, calls, results = [], [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(_text_block(block, at))
-        elif kind == "tool_use" and role == "assistant":
-            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
-                    and isinstance(block.get("input"), dict)):
-                raise APIError.invalid(f"{at}: a tool_use block needs an id, a name and an input object", at)
-            calls.append({"id": block["id"], "type": "function", "function": {
-                "name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}})
-        elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(block, at))
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # an earlier turn's reasoning: not shown to the model again
-        elif kind in UNSUPPORTED_BLOCKS:
-            raise APIError.invalid(f"{at}: {kind} blocks are not supported: Talaria serves text-only models; "
-                                   "send text blocks", at)
-        else:
-            raise APIError.invalid(f"{at}: a {kind!r} block is not supported in a {role} message", at)
-    out = results
-    if role == "assistant":
-        if texts or calls:
-            out.append({"role": "assistant", "content": "\n".join(texts) or None, **({"tool_calls": calls} if calls else {})})
-    elif texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
-    return out
-
-
-def assistant_turn(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An assistant message's content blocks in chat shape, as its next request will convert them."""
-    return _turn("assistant", blocks, "content")
-
-
-def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
-    if not isinstance(block.get("tool_use_id"), str):
-        raise APIError.invalid(f"{at}: a tool_result block needs the tool_use_id it answers", at)
-    content = block.get("content", "")
-    if isinstance(content, list):
-        content = "\n".join(_text_block(b, f"{at}.content[{k}]") for k, b in enumerate(content))
-    elif not isinstance(content, str):
-        raise APIError.invalid(f"{at}.content must be a string or an array of text blocks", f"{at}.content")
-    if block.get("is_error"):
-        content = f"Error: {content}"
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
-
-
 def _tools(f: Fields) -> Tools | None:
-    """Anthropic's tools and tool_choice, as the chat shape parse_tools reads."""
+    """Anthropic's tools and tool_choice, as the chat shape parse_tools reads; `defer_loading` ones
+    marked deferred (Tools.deferred)."""
     tools = f.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise APIError.invalid("tools must be an array", "tools")
-    functions = []
+    functions, deferred = [], []
     for i, tool in enumerate(tools or ()):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
+        if not isinstance(tool, dict) or (tool.get("type") or "custom") != "custom" or "input_schema" not in tool:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise APIError.invalid(f"tools[{i}]: only client tools with an input_schema are supported "
                                    f"(not the server tool {kind!r})", f"tools[{i}]")
@@ -239,6 +240,8 @@ def _tools(f: Fields) -> Tools | None:
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
         functions.append({"type": "function", "function": fn})
+        if Fields(tool, f"tools[{i}].").boolean("defer_loading", False):
+            deferred.append(tool.get("name"))
     choice, parallel = f.get("tool_choice"), True
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
@@ -247,4 +250,5 @@ def _tools(f: Fields) -> Tools | None:
         parallel = not choice.get("disable_parallel_tool_use", False)
         choice = {"auto": "auto", "none": "none", "any": "required",
                   "tool": {"type": "function", "function": {"name": choice.get("name")}}}[kind]
-    return parse_tools(Fields({"tools": functions, "tool_choice": choice, "parallel_tool_calls": parallel}))
+    parsed = parse_tools(Fields({"tools": functions, "tool_choice": choice, "parallel_tool_calls": parallel}))
+    return dataclasses.replace(parsed, deferred=frozenset(deferred)) if parsed is not None and deferred else parsed

@@ -6,11 +6,13 @@ reasoning model's reasoning), `text`, and `tool_use` (input: the call's argument
 `message_start`, `ping`, then per block `content_block_start`, `content_block_delta`s
 (`thinking_delta`, `text_delta`, `input_json_delta` with the arguments' JSON text as it is
 generated) and `content_block_stop`, then `message_delta` (stop reason and usage) and
-`message_stop`. `stop_reason`: `tool_use` for a turn that called tools and ended by itself,
-`stop_sequence` (with the sequence) when one matched, `max_tokens`, else `end_turn`. Usage:
-`input_tokens` are the prompt tokens computed, `cache_read_input_tokens` those served from the
-prefix cache (together, the prompt), `cache_creation_input_tokens` 0 (every prefix is cached
-without being asked).
+`message_stop`. With `thinking.display: "omitted"` a thinking block is sent with its `thinking`
+empty and no `thinking_delta`s, as Anthropic's API sends it: the client learns that the model
+reasoned, not what it thought (its next request's thinking blocks are then empty too).
+`stop_reason`: `tool_use` for a turn that called tools and ended by itself, `stop_sequence` (with
+the sequence) when one matched, `max_tokens`, else `end_turn`. Usage: `input_tokens` are the prompt
+tokens computed, `cache_read_input_tokens` those served from the prefix cache (together, the
+prompt), `cache_creation_input_tokens` 0 (every prefix is cached without being asked).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from talaria.contracts.call import Usage
-from talaria.gateway.anthropic_protocol import assistant_turn
+from talaria.gateway.anthropic_conversation import assistant_turn
 from talaria.gateway.errors import APIError
 from talaria.gateway.output_parser import (
     CallArguments,
@@ -58,11 +60,13 @@ def usage_json(usage: Usage) -> dict[str, int]:
 
 
 class MessageFormat:
-    """One Messages call's response, whole or streamed; `tool_id` makes a fresh `toolu_` id."""
+    """One Messages call's response, whole or streamed; `tool_id` makes a fresh `toolu_` id.
+    `show_thinking` False: thinking blocks carry no text (`display: "omitted"`)."""
 
-    def __init__(self, message_id: str, model: str, tool_id: Callable[[], str]) -> None:
+    def __init__(self, message_id: str, model: str, tool_id: Callable[[], str], show_thinking: bool = True) -> None:
         self._head = {"id": message_id, "type": "message", "role": "assistant", "model": model}
         self._tool_id = tool_id
+        self._show_thinking = show_thinking
         self.blocks: list[dict[str, Any]] = []  # the content so far, as the client assembles it
         self._arguments: list[str] = []  # per tool_use block (by call index), its arguments text so far
         self._open: str | None = None  # the type of the block being streamed
@@ -90,6 +94,8 @@ class MessageFormat:
             out += self._close()
             out += self._begin({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
                                else {"type": "text", "text": ""})
+        if kind == "thinking" and not self._show_thinking:
+            return out
         self.blocks[-1][kind] += e.text
         return out + self._delta({"type": f"{kind}_delta", kind: e.text})
 
@@ -131,7 +137,8 @@ class MessageFormat:
               stop_sequence: str | None) -> dict[str, Any]:
         blocks: list[dict[str, Any]] = []
         if parsed.reasoning is not None:
-            blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+            blocks.append({"type": "thinking", "thinking": parsed.reasoning if self._show_thinking else "",
+                           "signature": ""})
         if parsed.content:
             blocks.append({"type": "text", "text": parsed.content})
         for name, arguments in parsed.tool_calls:

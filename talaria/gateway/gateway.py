@@ -192,7 +192,8 @@ class Gateway:
         gen = TextGeneration(group, call, self.supervisor.tokenizer(parsed.model), parsed.stop, self._clock)
         gen.placement = placement
         if endpoint is Endpoint.MESSAGES:
-            fmt: Format = MessageFormat(request_id, parsed.model, lambda: f"toolu_{self._new_id()[:24]}")
+            fmt: Format = MessageFormat(request_id, parsed.model, lambda: f"toolu_{self._new_id()[:24]}",
+                                        parsed.reasoning_shown)
         else:
             fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage,
                                  lambda: f"call_{self._new_id()[:24]}")

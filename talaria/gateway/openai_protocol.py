@@ -81,6 +81,7 @@ class ParsedRequest:
     cache_salt: str | None = None  # body `cache_salt` (vLLM's): its prefixes are shared only with equal salts
     tool_schemas: dict[str, Any] | None = None  # the offered functions' parameter schemas by name (XML calls' types)
     reasoning_open: bool = False  # the prompt ends inside <think>: the output starts as reasoning
+    reasoning_shown: bool = True  # the response carries the reasoning's text (Messages: not `display: "omitted"`)
 
     def output_parser(self) -> OutputParser | None:
         """A fresh parser for this call's output; None when the output is plain text."""

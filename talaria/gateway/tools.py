@@ -14,6 +14,11 @@ prepares a conversation for the template:
   written as `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, and tool results as a
   user turn of `<tool_response>\\n...\\n</tool_response>` blocks (Qwen2.5's rendering, whose format
   the output parser reads back).
+Deferred tools (the Messages API's `defer_loading`) are never among the tools a template lists: a
+tool that loads mid-conversation would otherwise change the system prompt and so every cached
+prefix. The conversation shows each one where it is referenced instead (`definition_text`, as the
+Messages API's blocks are converted: talaria/gateway/anthropic_conversation.py); its calls are
+parsed like any other tool's.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class Tools:
     named: str | None  # the function a named tool_choice forces
     parallel: bool  # parallel_tool_calls: the model may make several calls in one turn
     definitions: tuple[dict[str, Any], ...]  # {"type": "function", "function": {...}} as the template takes them
+    deferred: frozenset[str] = frozenset()  # functions not listed to the template (shown where referenced)
 
     @property
     def forced(self) -> tuple[Function, ...]:
@@ -160,11 +166,19 @@ def model_formats(config: ModelConfig, tokenizer: Tokenizer) -> ModelFormats:
 
 def template_messages(messages: list[dict[str, Any]], tools: Tools | None,
                       formats: ModelFormats) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) as the model's chat template takes them."""
-    offered = list(tools.definitions) if tools is not None and tools.choice is not ToolChoice.NONE else None
+    """(messages, tools) as the model's chat template takes them; deferred tools are not listed."""
+    offered = None
+    if tools is not None and tools.choice is not ToolChoice.NONE:
+        offered = [d for d in tools.definitions if d["function"]["name"] not in tools.deferred]
     if formats.template_tools:
-        return [_with_argument_objects(m) for m in messages], offered
+        return [_with_argument_objects(m) for m in messages], offered or None
     return _default_rendering(messages, offered), None
+
+
+def definition_text(definition: dict[str, Any]) -> str:
+    """A tool's definition as text in the conversation, where a deferred tool is loaded: one JSON
+    line within `<tools></tools>`, as the default rendering and most templates list tools."""
+    return f"<tools>\n{json.dumps(definition, ensure_ascii=False)}\n</tools>"
 
 
 def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
@@ -206,12 +220,12 @@ def _default_rendering(messages: list[dict[str, Any]], offered: list[dict[str, A
                                 ensure_ascii=False) for c in m["tool_calls"]]
             text = "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
             out.append({"role": "assistant", "content": (m.get("content") or "") + ("\n" if m.get("content") else "")
-                        + text})
+                        + text, **_reasoning(m)})
             continue
-        out.append({"role": role, "content": m.get("content") or ""})
+        out.append({"role": role, "content": m.get("content") or "", **_reasoning(m)})
     for m in out:
         m.pop("_tool_results", None)
-    if offered:
+    if offered is not None:  # even with every tool deferred: the call format is known before one loads
         described = "\n".join(json.dumps(t, ensure_ascii=False) for t in offered)
         preamble = f"{TOOLS_PREAMBLE}\n{described}\n{TOOLS_INSTRUCTION}"
         if out and out[0]["role"] == "system":
@@ -219,3 +233,8 @@ def _default_rendering(messages: list[dict[str, Any]], offered: list[dict[str, A
         else:
             out.insert(0, {"role": "system", "content": f"{DEFAULT_SYSTEM}\n\n{preamble}"})
     return out
+
+
+def _reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's shown reasoning, kept for a template that reads `reasoning_content`."""
+    return {"reasoning_content": message["reasoning_content"]} if message.get("reasoning_content") else {}

@@ -175,6 +175,28 @@ class FakeEchoSupervisor:
         return list(self.instance_stats)
 
 
+class TemplateCatalog:
+    """One model, "echo", with the byte-level vocabulary and a given chat template: what a model's
+    template does to a request (Qwen3.5's shape, one that takes one system message only, ...)."""
+
+    def __init__(self, template: str, max_position: int = 4096) -> None:
+        self._base = FakeEchoSupervisor(max_position=max_position)
+        self.config = self._base.config
+        backend, _ = synthetic_byte_tokenizer(MIN_VOCAB)
+        special = {"bos_token": BOS, "eos_token": EOS, "unk_token": None, "pad_token": PAD}
+        self.tok = Tokenizer(backend, add_bos_token=False, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,),
+                             chat_template=ChatTemplate(template, special))
+
+    def model_names(self) -> list[str]:
+        return [MODEL]
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self.tok
+
+    def arch(self, model: str) -> ModelArch:
+        return self._base.arch(model)
+
+
 @contextmanager
 def serve_over_loopback(group: FakeEchoGroup, api_key: str | None = None) -> Iterator[str]:
     """The real gateway over `group`, served on loopback (`serve_app`); its URL."""

@@ -16,7 +16,9 @@ from talaria.gateway.errors import APIError
 from talaria.gateway.openai_protocol import Endpoint, parse_request
 from talaria.gateway.output_parser import OutputParser, parse
 
-from .fakes import MODEL, FakeEchoSupervisor
+from .fakes import MODEL, FakeEchoSupervisor, TemplateCatalog
+from .test_anthropic_conversation import REASONING
+from .test_chat_prompt import QWEN35_TEMPLATE
 
 SERVER = ServerConfig()
 ASK = [{"role": "user", "content": "list the files"}]
@@ -109,6 +111,21 @@ def test_the_session_comes_from_the_header_then_metadata(catalog):
     assert messages(catalog).session_id is None
 
 
+def test_claude_code_2_1_s_json_user_id_names_the_session(catalog):
+    def user_id(**fields) -> dict:
+        return {"user_id": json.dumps(fields)}
+    claude = user_id(device_id="8f3c2a", account_uuid="", session_id="d4c3b2a1-6f5e-4d7c-8b9a-0e1f2a3b4c5d")
+    assert messages(catalog, metadata=claude).session_id == "d4c3b2a1-6f5e-4d7c-8b9a-0e1f2a3b4c5d"
+    assert messages(catalog, "from-header", metadata=claude).session_id == "from-header"
+    assert messages(catalog, metadata=user_id(device_id="8f3c2a")).session_id is None  # no session in it
+    assert messages(catalog, metadata=user_id(session_id="")).session_id is None
+    suffix_in_json = user_id(device_id="x_session_wrong", session_id="right")  # the JSON form wins over the regex
+    assert messages(catalog, metadata=suffix_in_json).session_id == "right"
+    assert messages(catalog, metadata={"user_id": "{not json_session_abc"}).session_id == "abc"
+    with pytest.raises(APIError, match="the session id must be at most 256 characters"):
+        messages(catalog, metadata=user_id(session_id="s" * 300))
+
+
 def test_sampling_stops_and_thinking(catalog):
     m = messages(catalog, temperature=0, top_p=0.5, top_k=40, stop_sequences=["\n\nHuman:", "END", "END"],
                  stream=True, thinking={"type": "enabled", "budget_tokens": 1024})
@@ -116,6 +133,32 @@ def test_sampling_stops_and_thinking(catalog):
     assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.5, 40) and m.stream
     assert m.stop == ("\n\nHuman:", "END") and not m.reasoning  # no reasoning model: thinking is ignored
     assert messages(catalog, thinking={"type": "disabled"}).sampling.temperature == 1.0  # Anthropic's default
+
+
+@pytest.mark.parametrize("opens", [True, False], ids=["prompt-opens-think", "model-opens-think"])
+def test_thinking_disabled_makes_a_reasoning_model_answer_with_its_prefix_unchanged(opens):
+    """Qwen3.5's generation prompt opens <think>; Qwen3's (REASONING) leaves it to the model. `disabled` ends
+    the prompt with an empty reasoning section either way, and nothing before it changes."""
+    qwen = TemplateCatalog(QWEN35_TEMPLATE if opens else REASONING)
+    on = [messages(qwen, thinking=t) for t in ({"type": "adaptive"}, {"type": "enabled", "budget_tokens": 2048}, None)]
+    off = messages(qwen, thinking={"type": "disabled"})
+    assert len({m.prompt_token_ids for m in on}) == 1 and all(m.reasoning for m in on)
+    assert on[0].reasoning_open is opens
+    head = text_of(qwen, on[0]).removesuffix("<think>\n")
+    assert text_of(qwen, off) == head + "<think>\n\n</think>\n\n"
+    assert not off.reasoning and not off.reasoning_open
+    assert off.parse_output("Sure.").content == "Sure."  # the output is the answer
+    plain = FakeEchoSupervisor(max_position=4096)  # a model that does not reason ignores it
+    assert messages(plain, thinking={"type": "disabled"}).prompt_token_ids == messages(plain).prompt_token_ids
+
+
+def test_display_effort_and_fields_it_does_not_know_are_accepted(catalog):
+    base = messages(catalog)
+    today = messages(catalog, thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "xhigh"},
+                     speed="fast", diagnostics={"trace": True}, cache_control={"type": "ephemeral"},
+                     context_management={"edits": [{"type": "clear_tool_uses_20250919"}, {"type": "compact_20260112"}]})
+    assert today.prompt_token_ids == base.prompt_token_ids and not today.reasoning_shown and base.reasoning_shown
+    assert messages(catalog, thinking={"type": "adaptive", "display": "summarized"}).reasoning_shown
 
 
 def test_tool_choice_maps_to_constrained_decoding(catalog):
@@ -138,7 +181,18 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "document blocks are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "ls", "input": {}}]}]},
      400, "a 'tool_use' block is not supported in a user message"),
-    ({"messages": [{"role": "system", "content": "x"}]}, 400, r'role must be "user" or "assistant"'),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, r'role must be "user", "assistant" or "system"'),
+    ({"messages": [{"role": "user", "content": [{"type": "fallback"}]}]}, 400, "unknown content block type 'fallback'"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "lots"}}, 400, "thinking.budget_tokens must be an integer"),
+    ({"thinking": {"type": "adaptive", "display": True}}, 400, "thinking.display must be a non-empty string"),
+    ({"output_config": {"effort": 3}}, 400, "output_config.effort must be a non-empty string"),
+    ({"context_management": {"edits": {"type": "clear_thinking_20251015"}}}, 400, "context_management.edits must be"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}}, 400,
+     r"context_management.edits\[0\].keep must be"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                        "keep": {"type": "thinking_turns", "value": -1}}]}}, 400,
+     r"context_management.edits\[0\].keep.value must be an integer >= 0"),
+    ({"tools": [{**TOOLS[0], "defer_loading": "yes"}]}, 400, r"tools\[0\].defer_loading must be a boolean"),
     ({"messages": []}, 400, "messages must be a non-empty array"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "not the server tool 'web_search_20250305'"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "rm"}}, 400, "tool_choice names function 'rm'"),
@@ -171,8 +225,8 @@ def ids():
     return lambda: f"toolu_{next(n)}"
 
 
-def streamed(text: str, pieces: int = 7) -> list[tuple[str, dict]]:
-    fmt, parser = MessageFormat("msg_1", MODEL, ids()), OutputParser(ToolParser.HERMES, reasoning=True)
+def streamed(text: str, pieces: int = 7, show_thinking: bool = True) -> list[tuple[str, dict]]:
+    fmt, parser = MessageFormat("msg_1", MODEL, ids(), show_thinking), OutputParser(ToolParser.HERMES, reasoning=True)
     raw = fmt.start(120)
     step = -(-len(text) // pieces)
     for i in range(0, len(text), step):
@@ -237,3 +291,14 @@ def test_arguments_cut_short_give_an_empty_input():
     whole = MessageFormat("msg_1", MODEL, ids()).whole(text, parse(text, ToolParser.HERMES, False), "length",
                                                        USAGE, None)
     assert whole["content"][-1]["input"] == {} and whole["stop_reason"] == "max_tokens"
+
+
+def test_display_omitted_returns_thinking_blocks_without_their_text():
+    events = streamed(OUTPUT, show_thinking=False)
+    assert "thinking_delta" not in {d["delta"]["type"] for k, d in events if k == "content_block_delta"}
+    assert [d["content_block"]["type"] for k, d in events if k == "content_block_start"] == ["thinking", "text", "tool_use"]
+    whole = MessageFormat("msg_1", MODEL, ids(), show_thinking=False).whole(
+        OUTPUT, parse(OUTPUT, ToolParser.HERMES, True), "stop", USAGE, None)
+    assert assemble(events) == whole and whole["content"][0] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert whole["content"][1:] == MessageFormat("msg_1", MODEL, ids()).whole(
+        OUTPUT, parse(OUTPUT, ToolParser.HERMES, True), "stop", USAGE, None)["content"][1:]

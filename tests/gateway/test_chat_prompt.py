@@ -19,12 +19,7 @@ from talaria.gateway.errors import APIError
 from talaria.gateway.openai_protocol import Endpoint, parse_request
 from talaria.gateway.output_parser import ParsedOutput, assemble
 from talaria.gateway.tools import ModelFormats, model_formats
-from talaria.models.chat_template import ChatTemplate
-from talaria.models.synthetic import BOS, BOS_ID, EOS, EOS_ID, MIN_VOCAB, PAD
-from talaria.models.synthetic import byte_tokenizer as synthetic_byte_tokenizer
-from talaria.models.tokenizer import Tokenizer
-
-from .fakes import MODEL, FakeEchoSupervisor
+from .fakes import MODEL, TemplateCatalog
 
 QWEN3_CODER = ToolParser.QWEN3_CODER
 SCHEMAS = {
@@ -96,27 +91,6 @@ def test_auto_detects_the_xml_format():
 # ---- from the request to the parser ------------------------------------------------------------
 
 
-class TemplateCatalog:
-    """One model with the byte-level vocabulary and a given chat template (Qwen3.5's shape here)."""
-
-    def __init__(self, template: str = QWEN35_TEMPLATE) -> None:
-        self._base = FakeEchoSupervisor(max_position=4096)
-        self.config = self._base.config
-        backend, _ = synthetic_byte_tokenizer(MIN_VOCAB)
-        special = {"bos_token": BOS, "eos_token": EOS, "unk_token": None, "pad_token": PAD}
-        self.tok = Tokenizer(backend, add_bos_token=False, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,),
-                             chat_template=ChatTemplate(template, special))
-
-    def model_names(self) -> list[str]:
-        return [MODEL]
-
-    def tokenizer(self, model: str) -> Tokenizer:
-        return self.tok
-
-    def arch(self, model: str):
-        return self._base.arch(model)
-
-
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
 HISTORY = [{"role": "user", "content": "weather?"},
            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -126,7 +100,7 @@ HISTORY = [{"role": "user", "content": "weather?"},
 
 @pytest.fixture(scope="module")
 def qwen35() -> TemplateCatalog:
-    return TemplateCatalog()
+    return TemplateCatalog(QWEN35_TEMPLATE)
 
 
 def test_a_chat_request_hands_the_parser_its_schemas_and_open_reasoning(qwen35):
