@@ -8,6 +8,12 @@
   key): a request of a coding agent's real shape and size streams as a well-formed event stream,
   and a session whose first system line changes on every call still reads its previous call's
   prompt from the prefix cache.
+- Claude Code 2.1's request shape on the same node (issue 37), sent through the SDK's beta client
+  with its beta headers: a system turn inside the conversation, adaptive thinking with its display
+  omitted, `output_config.effort`, a `clear_thinking` edit and a deferred tool loaded by a
+  `tool_reference` stream well-formed, and count_tokens counts what usage bills; a 5-call session
+  named only by the JSON `metadata.user_id` reads each previous call's prompt from the prefix
+  cache and is one session to the router.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city", "input_schema": CITY}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FIXTURE = Path(__file__).parent / "fixtures" / "agent_request.json"
+CLAUDE_CODE = Path(__file__).parent / "fixtures" / "messages" / "claude-code-2.1.json"
 KEY = "sk-test-key"
 
 
@@ -137,13 +144,23 @@ def test_an_agent_request_of_real_shape_and_size_streams_well_formed(long_node):
     events = [(lines[i].removeprefix("event: "), json.loads(lines[i + 1].removeprefix("data: ")))
               for i in range(0, len(lines), 2)]
     assert all(lines[i].startswith("event: ") and lines[i + 1].startswith("data: ") for i in range(0, len(lines), 2))
+    assert [kind for kind, _ in events[:2]] == ["message_start", "ping"]
+    assert events[0][1]["message"]["usage"]["input_tokens"] > 70_000
+    well_formed(events, 48)
+
+
+def well_formed(events: list[tuple[str, dict]], max_tokens: int) -> dict:
+    """Checks a Messages event stream's order and indices; returns its final usage. A `ping` may
+    follow `message_start` (the SDK's stream drops it)."""
     assert all(kind == data["type"] for kind, data in events)
+    if len(events) > 1 and events[1][0] == "ping":
+        events = events[:1] + events[2:]
     kinds = [kind for kind, _ in events]
-    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"] and "ping" not in kinds
     start = events[0][1]["message"]
-    assert start["role"] == "assistant" and start["content"] == [] and start["usage"]["input_tokens"] > 70_000
+    assert start["role"] == "assistant" and start["content"] == []
     opened = []
-    for kind, data in events[2:-2]:  # blocks open, take deltas at their own index, and close in order
+    for kind, data in events[1:-2]:  # blocks open, take deltas at their own index, and close in order
         if kind == "content_block_start":
             assert data["index"] == len(opened)
             opened.append(data["content_block"]["type"])
@@ -152,7 +169,10 @@ def test_an_agent_request_of_real_shape_and_size_streams_well_formed(long_node):
         else:
             assert kind == "content_block_stop" and data["index"] == len(opened) - 1
     delta = events[-2][1]
-    assert delta["delta"]["stop_reason"] in ("end_turn", "max_tokens") and delta["usage"]["output_tokens"] <= 48
+    assert delta["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    assert delta["usage"]["output_tokens"] <= max_tokens
+    assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == start["usage"]["input_tokens"]
+    return delta["usage"]
 
 
 def test_a_session_reuses_its_prefix_though_its_first_system_line_changes(long_node):
@@ -183,3 +203,68 @@ def test_the_key_may_come_as_x_api_key_or_bearer(long_node):
     bearer = httpx.post(long_node.base_url + "/v1/messages/count_tokens", timeout=30,
                         headers={"authorization": f"Bearer {KEY}"}, json={"model": "long", "messages": ASK})
     assert bearer.status_code == 200 and bearer.json()["input_tokens"] > 0
+
+
+# ---- Claude Code 2.1 (issue 37) -----------------------------------------------------------------
+
+BETAS = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
+         "mid-conversation-tool-changes-2026-07-01", "thinking-token-count-2026-05-13",
+         "advanced-tool-use-2025-11-20", "effort-2025-11-24"]
+TODAY = {"thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
+         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+
+
+def claude_code(node: Server) -> anthropic.Anthropic:
+    """The SDK as Claude Code sets it up: its beta client adds `?beta=true` and the beta header."""
+    return anthropic.Anthropic(base_url=node.base_url, api_key=KEY, max_retries=2,
+                               default_headers={"x-app": "cli", "user-agent": "claude-cli/2.1.208 (external, cli)"})
+
+
+def test_claude_code_2_1_s_request_streams_well_formed_and_counts_what_it_bills(long_node):
+    body = json.loads(CLAUDE_CODE.read_text())["body"] | {"model": "long", "max_tokens": 24}
+    assert [m["role"] for m in body["messages"]].count("system") == 2 and body["thinking"] == TODAY["thinking"]
+    client = claude_code(long_node)
+    stream = client.beta.messages.create(**body, betas=BETAS, extra_body=GREEDY)
+    events = [(e.type, e.model_dump(mode="json", exclude_none=True)) for e in stream]
+    usage = well_formed(events, 24)
+    counted = client.beta.messages.count_tokens(**{k: v for k, v in body.items()
+                                                   if k not in ("max_tokens", "stream", "metadata")}, betas=BETAS)
+    assert counted.input_tokens == usage["input_tokens"] + usage["cache_read_input_tokens"] > 5000
+
+
+def test_a_claude_code_session_named_by_its_json_user_id_is_one_session_reusing_its_prefix(long_node):
+    """Five calls as Claude Code 2.1 makes them: a volatile billing line, a system turn after the
+    first user turn, the session only in metadata.user_id's JSON. Calls 2-5 read at least 90% of the
+    previous call's prompt from the prefix cache; the router routes all five as that one session."""
+    telemetry = long_node.base_url + "/talaria/telemetry"
+    sessions_before = httpx.get(telemetry, timeout=10).json()["router"]["sessions"]
+    session = str(uuid.uuid4())
+    user_id = json.dumps({"device_id": uuid.uuid4().hex * 2, "account_uuid": "", "session_id": session})
+    instructions = "You are a coding agent. " + " ".join(f"Rule {i}: read before you edit." for i in range(60))
+    messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                                                         {"type": "text", "text": "Step 0: list the files."}]},
+                            {"role": "system", "content": "<env>\nWorking directory: /home/dev/shop\n</env>"}]
+    client, totals, reads, request_ids = claude_code(long_node), [], [], []
+    for turn in range(5):
+        billing = f"x-anthropic-billing-header: cc_version=2.1.208.9e4; cc_entrypoint=cli; cch={uuid.uuid4().hex[:12]};"
+        raw = client.beta.messages.with_raw_response.create(
+            model="long", max_tokens=24, messages=messages, metadata={"user_id": user_id}, betas=BETAS,
+            system=[{"type": "text", "text": billing}, {"type": "text", "text": instructions}], **TODAY,
+            extra_body=GREEDY)
+        m = raw.parse()
+        request_ids.append(raw.headers["x-request-id"])
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                     {"role": "user", "content": f"Step {turn + 1}: list the files in folder {turn + 1}."}]
+        totals.append(m.usage.input_tokens + m.usage.cache_read_input_tokens)
+        reads.append(m.usage.cache_read_input_tokens)
+    assert all(reads[k] >= 0.9 * totals[k - 1] for k in range(1, 5)), (reads, totals)
+    assert httpx.get(telemetry, timeout=10).json()["router"]["sessions"] == sessions_before + 1
+    routed = {}
+    with httpx.stream("GET", long_node.base_url + "/talaria/events?since=0", timeout=30) as r:
+        for line in r.iter_lines():  # the replayed log holds every route event; stop at the last of ours
+            event = json.loads(line.removeprefix("data: ")) if line.startswith("data: ") else {}
+            if event.get("kind") == "route" and event["request"] in request_ids:
+                routed[event["request"]] = event["session"]
+            if len(routed) == len(request_ids):
+                break
+    assert set(routed.values()) == {session}
