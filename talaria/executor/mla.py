@@ -189,19 +189,31 @@ class MLA:
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, d: DecodeBatch, kv_b: torch.Tensor,
                 sel: torch.Tensor | None) -> torch.Tensor:
-        """Latent-direct attention of B decoding queries q (B, hl, nope + r) -> (B, hl, v)."""
+        """Latent-direct attention of B decoding queries q (B, hl, nope + r) -> (B, hl, v). A prefix
+        the batch shares (attention.py: an agent's system prompt and tools) is read once for all of
+        it: its scores and its share of the output are one matmul each over the batch's queries."""
         a = self.a
         ld, nope = a.kv_lora_rank, a.qk_nope_head_dim
-        ctx, valid = _decode_context(cache, d)  # (B, L, ld + r), (B, L) or None
+        B, hl = q.shape[:2]
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), kv_b[:, :nope])  # (hl, B, ld): W_UK absorbed
         q = torch.cat((q_latent.transpose(0, 1), q[..., nope:]), dim=-1)  # (B, hl, ld + r)
-        scores = torch.bmm(q, ctx.transpose(1, 2)) * self.scale  # (B, hl, L)
-        keep = valid if sel is None else (sel if valid is None else valid & sel)
+        own = _gather(cache, d.pages, d.batch, d.ctx, d.stale)  # (B, L_own, ld + r): each sequence's pages
+        scores = torch.bmm(q, own.transpose(1, 2))  # (B, hl, L_own)
+        valid, shared = d.valid, None
+        if d.shared is not None:
+            shared = cache.flatten(1).index_select(0, d.shared).view(-1, cache.shape[-1])  # (S, ld + r), once
+            scores = torch.cat(((q.reshape(B * hl, -1) @ shared.t()).view(B, hl, -1), scores), dim=-1)
+            valid = None if valid is None else torch.cat((valid.new_ones(B, shared.shape[0]), valid), dim=1)
+        scores *= self.scale
+        keep = valid if sel is None else (sel if valid is None else valid & sel)  # over [shared, own]
         if keep is not None:
             scores.masked_fill_(~keep[:, None, :], float("-inf"))
         low = torch.float32 if q.element_size() < 4 else None  # half precision: softmax in float32
         p = scores.softmax(dim=-1, dtype=low).to(q.dtype)
-        o_latent = torch.bmm(p, ctx[..., :ld])  # (B, hl, ld)
+        n = 0 if shared is None else shared.shape[0]
+        o_latent = torch.bmm(p[..., n:], own[..., :ld])  # (B, hl, ld)
+        if shared is not None:
+            o_latent += (p[..., :n].reshape(B * hl, n) @ shared[:, :ld]).view(B, hl, ld)
         return torch.bmm(o_latent.transpose(0, 1), kv_b[:, nope:].transpose(1, 2)).transpose(0, 1)  # W_UV: (B, hl, v)
 
     def _select(self, q_latent: torch.Tensor, parts: list[torch.Tensor], lw, layer: int, cos: torch.Tensor,

@@ -219,3 +219,30 @@ def test_a_short_chunk_over_the_latent_equals_the_expanded_attention(refs):
         a, b = mla._latent_prefill(q, ctx, mask, kv_b, chosen), mla._prefill(q, ctx, mask, kv_b, chosen)
         assert (a - b).abs().max() < 1e-12
     assert mla.absorbs(1) and mla.absorbs(12) and not mla.absorbs(40)  # 16 (8 + 12) / (32 + 8 - 16 - 12) = 26.7
+
+
+def test_a_decode_batch_reads_its_shared_prefix_once_and_equals_reading_it_per_sequence(refs):
+    """Three sequences whose contexts start with the same 6 pages, decoded as one batch with the
+    prefix read once and as a plain padded batch: equal to float64 rounding, with a sparse selection."""
+    from talaria.executor.attention import _decode_batch
+    from talaria.executor.mla import MLA
+    from talaria.executor.rope import softmax_scale
+
+    arch = refs["glm"].files.arch
+    mla = MLA(Shard(0, 1, arch), softmax_scale(arch))
+    g = torch.Generator().manual_seed(4)
+    ps, hl = 4, arch.num_heads
+    cache = torch.randn(20, ps, arch.latent_dim, generator=g, dtype=torch.float64)
+    cache[19] = 0  # the null page
+    pages = [(0, 1, 2, 3, 4, 5, 6, 7), (0, 1, 2, 3, 4, 5, 8), (0, 1, 2, 3, 4, 5, 9, 10, 11)]
+    ctx = [31, 26, 34]
+    q = torch.randn(3, hl, arch.head_dim, generator=g, dtype=torch.float64)
+    kv_b = torch.randn(hl, arch.qk_nope_head_dim + arch.v_head_dim, arch.kv_lora_rank, generator=g, dtype=torch.float64)
+    once = _decode_batch(None, pages, ctx, 6, ps, 19, torch.device("cpu"))
+    padded = _decode_batch(None, pages, ctx, 0, ps, 19, torch.device("cpu"))
+    assert once.shared is not None and padded.shared is None
+    sel = torch.rand(3, 9 * ps, generator=g) < 0.7  # both batches lay a context out alike: its 9 pages
+    sel[:, 0] = True
+    for chosen in (None, sel):
+        a, b = mla._decode(q, cache, once, kv_b, chosen), mla._decode(q, cache, padded, kv_b, chosen)
+        assert (a - b).abs().max() < 1e-12
