@@ -171,6 +171,20 @@ def test_a_stateful_models_state_region_is_laid_out_and_counted_in_hbm():
     assert inst.layout.plan("n").states.size == 0  # n keeps no state
     inst.add(call_of("m"))  # 40 prompt tokens and 4 out: 3 pages of 16 at most
     loop.run()
+    held = plan.weights.size + plan.states.size + inst.runtime_bytes + 3 * plan.page_bytes
+    # n's chunks staged in m's KV tail hold HBM too (paper §4.4, Fig. 15): what was staged by the peak
+    staged = inst.memory.stager.held_bytes()
+    assert staged > 0 and held < inst.hbm_peak_bytes <= held + staged
+
+
+def test_without_staging_the_hbm_peak_is_weights_states_runtime_and_kv_pages():
+    no_staging = dataclasses.replace(INSTANCE, ablations=(Ablation.STAGING,))
+    loop = EventLoop(VirtualClock())
+    inst = SimInstance(no_staging, PROFILE, loop, lambda i, o: None, lambda e: None)
+    plan = inst.layout.plan("m")
+    inst.add(call_of("m"))
+    loop.run()
+    assert inst.memory.stager is None
     assert inst.hbm_peak_bytes == plan.weights.size + plan.states.size + inst.runtime_bytes + 3 * plan.page_bytes
 
 
