@@ -107,13 +107,18 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         band = "" if r["held"] is None else ("yes" if r["held"] else "NO")
-        lines.append((r["row"], _fmt(r["paper"]), *(_fmt(r["ours"][s]) for s in seeds),
+        fmt = _pct if "rate" in r["row"] else _fmt
+        lines.append((r["row"], fmt(r["paper"]), *(fmt(r["ours"][s]) for s in seeds),
                       *(f"{r['ratio'][s]:.2f}" for s in seeds), band))
     return render(lines)
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.1%}" if v < 1 else f"{v:,.2f}" if v < 20 else f"{v:,.0f}"
+    return f"{v:,.2f}" if v < 20 else f"{v:,.0f}"
+
+
+def _pct(v: float) -> str:
+    return f"{v:.1%}"
 
 
 def main() -> int:
