@@ -1,14 +1,14 @@
 """The HTTP gateway: a Starlette app over a node's engine groups, speaking OpenAI's and Anthropic's APIs.
 
-`create_app(node)` serves `/v1/chat/completions`, `/v1/completions`, Anthropic's `/v1/messages`
-(and `/v1/messages/count_tokens`), each streamed as SSE or whole, plus `/v1/models`, `/health`,
-`/metrics` and the admin routes, at most `max_connections` requests at once (`limits`). A completion
-request is: authorize, read the body under `max_body_bytes` and `read_timeout_s`, parse
-(`openai_protocol`, `anthropic_protocol`), place (the routing `dispatcher` over the session-aware
-router), then drive the call as text (`generation`), parse the text into reasoning, content and
-tool calls (`output_parser`) and format it in the API's shape (`responses`, `anthropic_responses`);
-a call placed on a peer node is forwarded there (`peer_forward`). Every error leaves as JSON in the
-API's shape (`http`).
+`create_app(node)` serves `/v1/chat/completions`, `/v1/completions`, OpenAI's `/v1/responses`,
+Anthropic's `/v1/messages` (and `/v1/messages/count_tokens`), each streamed as SSE or whole, plus
+`/v1/models`, `/health`, `/metrics` and the admin routes, at most `max_connections` requests at once
+(`limits`). A completion request is: authorize, read the body under `max_body_bytes` and
+`read_timeout_s`, parse (`openai_protocol`, `anthropic_protocol`, `responses_protocol`), place (the
+routing `dispatcher` over the session-aware router), then drive the call as text (`generation`),
+parse the text into reasoning, content and tool calls (`output_parser`) and format it in the API's
+shape (`responses`, `anthropic_responses`, `responses_api`); a call placed on a peer node is
+forwarded there (`peer_forward`). Every error leaves as JSON in the API's shape (`http`).
 
 Cancellation is the part to get right: a client that goes away must stop the call on the instance.
 Both kinds of response run under `CancelOnDisconnect`, which cancels the request's task on
@@ -60,7 +60,10 @@ from talaria.gateway.openai_protocol import Endpoint, ParsedRequest, parse_reque
 from talaria.gateway.output_parser import Content
 from talaria.gateway.peer_forward import FORWARDED_HEADER, forward
 from talaria.gateway.prompt_cache import PromptCache
+from talaria.gateway.response_store import ResponseStore
 from talaria.gateway.responses import ResponseFormat
+from talaria.gateway.responses_api import ResponsesFormat
+from talaria.gateway.responses_protocol import parse_responses
 from talaria.gateway.sse import CancelOnDisconnect, SSEResponse, client_left
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.routing.decision import RouteRequest
@@ -73,9 +76,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INLINE_PARSE_BYTES = 8192  # smaller bodies are parsed and tokenized on the event loop (well under a ms)
-ID_PREFIX = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-", Endpoint.MESSAGES: "msg_"}  # as each API writes them
+ID_PREFIX = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-", Endpoint.MESSAGES: "msg_",
+             Endpoint.RESPONSES: "resp_"}  # as each API writes them
 
-Format = ResponseFormat | MessageFormat  # both: start, event_chunk, end, error_chunk, whole, reply_message
+# every format has: start, event_chunk, end, error_chunk, whole, reply_message
+Format = ResponseFormat | MessageFormat | ResponsesFormat
 
 
 def create_app(
@@ -91,6 +96,7 @@ def create_app(
     routes = [  # matched in order: the hot ones first
         Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
         Route("/v1/messages", gateway.messages, methods=["POST"]),
+        Route("/v1/responses", gateway.responses, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics_page, methods=["GET"]),
@@ -118,6 +124,7 @@ class Gateway:
                                  for p in self.config.router.peers]
         self.metrics = GatewayMetrics(supervisor.stats, self.dispatcher.router)
         self.prompts = PromptCache()
+        self.stored_responses = ResponseStore(clock)  # the Responses API's previous_response_id
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
@@ -152,6 +159,9 @@ class Gateway:
     async def messages(self, request: Request) -> Response:
         return await self._complete(request, Endpoint.MESSAGES)
 
+    async def responses(self, request: Request) -> Response:
+        return await self._complete(request, Endpoint.RESPONSES)
+
     async def count_tokens(self, request: Request) -> JSONResponse:
         """Anthropic's token count: the prompt a Messages request would make, tools and system included."""
         self.authorize(request)
@@ -161,7 +171,10 @@ class Gateway:
 
     async def _parse(self, request: Request, endpoint: Endpoint, body: Any, count_only: bool = False) -> ParsedRequest:
         header_session = request.headers.get("x-session-id")
-        if endpoint is Endpoint.MESSAGES:
+        if endpoint is Endpoint.RESPONSES:  # OpenAI's coding agent names its session in `session-id`
+            args = (parse_responses, body, self.supervisor, self.stored_responses, self.authorize(request),
+                    request.headers.get("session-id") or header_session, self.prompts)
+        elif endpoint is Endpoint.MESSAGES:
             args = (parse_messages, body, self.supervisor, self.config.server, header_session, self.prompts, count_only)
         else:
             args = (parse_request, endpoint, body, self.supervisor, header_session, self.prompts)
@@ -194,6 +207,11 @@ class Gateway:
         if endpoint is Endpoint.MESSAGES:
             fmt: Format = MessageFormat(request_id, parsed.model, lambda: f"toolu_{self._new_id()[:24]}",
                                         parsed.reasoning_shown)
+        elif endpoint is Endpoint.RESPONSES:
+            tokenizer = self.supervisor.tokenizer(parsed.model)
+            fmt = ResponsesFormat(request_id, int(arrival_wall), parsed.model, parsed.api,
+                                  lambda: self._new_id()[:24], lambda text: len(tokenizer.encode(text, False)),
+                                  self.stored_responses)
         else:
             fmt = ResponseFormat(endpoint, request_id, int(arrival_wall), parsed.model, parsed.include_usage,
                                  lambda: f"call_{self._new_id()[:24]}")

@@ -33,7 +33,8 @@ from talaria.routing.errors import Overloaded
 log = logging.getLogger("talaria.gateway.gateway")
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody receives it
-COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models"}
+COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
+                 "/v1/responses"}
 MESSAGES_API = "/v1/messages"  # paths under it answer errors in Anthropic's shape
 
 

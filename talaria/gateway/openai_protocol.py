@@ -44,6 +44,7 @@ class Endpoint(str, Enum):
     CHAT = "chat.completions"
     COMPLETIONS = "completions"
     MESSAGES = "messages"  # Anthropic's Messages API (talaria/gateway/anthropic_protocol.py)
+    RESPONSES = "responses"  # OpenAI's Responses API (talaria/gateway/responses_protocol.py)
 
 
 DEFAULT_MAX_TOKENS = {Endpoint.CHAT: 1024, Endpoint.COMPLETIONS: 16}
@@ -82,6 +83,7 @@ class ParsedRequest:
     tool_schemas: dict[str, Any] | None = None  # the offered functions' parameter schemas by name (XML calls' types)
     reasoning_open: bool = False  # the prompt ends inside <think>: the output starts as reasoning
     reasoning_shown: bool = True  # the response carries the reasoning's text (Messages: not `display: "omitted"`)
+    api: Any = None  # what one API's response needs beyond this (the Responses API's `ResponsesRequest`)
 
     def output_parser(self) -> OutputParser | None:
         """A fresh parser for this call's output; None when the output is plain text."""
