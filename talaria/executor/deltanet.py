@@ -145,6 +145,7 @@ def chunked(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).triu(1)
+    eye = torch.eye(CHUNK, dtype=k.dtype, device=k.device).expand(k.shape[0], CHUNK, CHUNK)
     out = torch.empty_like(v)
     s = state
     for at in range(0, n + pad, CHUNK):
@@ -154,9 +155,12 @@ def chunked(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
         gc = g[:, c].cumsum(dim=-1)  # (H, C): log decay from the chunk's start
         decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (H, C, C): i >= j
         # the updates inside the chunk as one unit lower triangular system (I + tril(beta_i k_i k_j decay, -1))
+        # one solve for the system's inverse, then two matmuls: batched triangular solves run a head at a
+        # time with few right-hand sides, and the inverse's C columns cost ~8x less than v's and k's 2d
         system = (k_beta @ kc.transpose(-1, -2)) * decay
-        u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)  # (H, C, dv)
-        w = torch.linalg.solve_triangular(system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True)
+        inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)  # (H, C, C)
+        u = inverse @ v_beta  # (H, C, dv)
+        w = inverse @ (k_beta * gc.exp()[..., None])
         v_new = u - w @ s  # the corrections the state does not predict
         attn = (qc @ kc.transpose(-1, -2)) * decay  # within-chunk reads, causal
         out[:, c] = (qc * gc.exp()[..., None]) @ s + attn @ v_new
