@@ -180,9 +180,10 @@ class ResponsesFormat:
     def _finished(self, usage: Usage, cut: bool) -> dict[str, Any]:
         body = self.response("incomplete" if cut else "completed", usage,
                              incomplete="max_output_tokens" if cut else None)
-        if self._request.store:
-            self._store.put(self._request.tenant, self._head["id"], self._request.items,
-                            tuple(dict(i) for i in self.items), body)
+        if self._request.store:  # kept with its reasoning's text, whatever `include` asked: it renders the same
+            kept = tuple({**i, "encrypted_content": seal(text)} if i["type"] == "reasoning" else dict(i)
+                         for i, text in zip(self.items, self._texts, strict=True))
+            self._store.put(self._request.tenant, self._head["id"], self._request.items, kept, body)
         return body
 
     # ---- items -------------------------------------------------------------------------------
@@ -216,4 +217,5 @@ class ResponsesFormat:
         for k, (item, piece) in enumerate(pieces):
             self._settle(item, piece, "incomplete" if cut and k == len(pieces) - 1 else "completed")
             self.items.append(item)
+            self._texts.append(piece)
         return self._finished(usage, cut)

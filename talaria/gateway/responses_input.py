@@ -12,7 +12,8 @@ its prompt stays an extension of the last one. The rules, all in docs/api.md:
   the order a response lists them — is one assistant message: `content`, `tool_calls` (arguments as
   the JSON text they came in) and `reasoning_content`. A reasoning item's text is read back from its
   `encrypted_content` (Talaria's own: the exact text the model wrote, so the turn renders into the
-  same tokens), else from its `content` (`reasoning_text` parts), else its summary's texts.
+  same tokens), else from its `content` (`reasoning_text` parts), else its summary's texts (so
+  another server's `encrypted_content`, which cannot be read here, falls back to the summary).
 - `function_call_output` becomes a `tool` message answering its `call_id`.
 - Functions of a `namespace` tool are offered to the model under one name each (`offered_name`), and
   a `function_call` item carrying a `namespace` is read under that name; so are the response's calls
@@ -51,16 +52,14 @@ def seal(reasoning: str) -> str:
     return base64.b64encode(SEALED + reasoning.encode()).decode()
 
 
-def unseal(content: str, where: str) -> str:
+def unseal(content: str) -> str | None:
+    """The reasoning text of Talaria's own `encrypted_content`; None for another server's (OpenAI's
+    cannot be read here: the turn then renders from the item's summary)."""
     try:
         raw = base64.b64decode(content, validate=True)
     except (binascii.Error, ValueError):
-        raw = b""
-    if not raw.startswith(SEALED):
-        raise APIError.invalid(f"{where}.encrypted_content was not written by this server (Talaria reads back only "
-                               "its own); drop encrypted_content to send the reasoning as its summary",
-                               f"{where}.encrypted_content")
-    return raw[len(SEALED):].decode(errors="replace")
+        return None
+    return raw[len(SEALED):].decode(errors="replace") if raw.startswith(SEALED) else None
 
 
 def conversation(items: list[Any], namespaces: Namespaces, first: int = 0) -> list[dict[str, Any]]:
@@ -171,8 +170,9 @@ def _output(output: Any, where: str) -> str:
 
 def _reasoning(item: dict[str, Any], where: str) -> str:
     sealed = item.get("encrypted_content")
-    if isinstance(sealed, str) and sealed:
-        return unseal(sealed, where)
+    text = unseal(sealed) if isinstance(sealed, str) else None
+    if text is not None:
+        return text
     content = item.get("content")
     if isinstance(content, list) and content:
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "reasoning_text")
