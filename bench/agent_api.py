@@ -1,7 +1,8 @@
 """Constrained decoding of a forced tool call against free decoding, with a coding agent's tool set;
-then an agent's long prompts at the gateway (bench/agent_prompts.py).
+then an agent's long prompts at the gateway (bench/agent_prompts.py); then one agent turn through
+chat, Messages and Responses (bench/agent_api_parity.py).
 
-    python bench/agent_api.py [--json PATH] [--runs N] [--threads T] [--profile] [--prompts-only]
+    python bench/agent_api.py [--json PATH] [--runs N] [--threads T] [--profile] [--prompts-only] [--apis-only]
 
 A coding agent sends the same large tool set with every turn: here 17 tools modelled on what such
 agents send (shell, file reading and editing, search, notebooks, web, todo list, sub-agents), whose
@@ -59,6 +60,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import agent_api_parity  # bench/agent_api_parity.py, beside this script
 import agent_prompts  # bench/agent_prompts.py, beside this script
 import torch
 from agent_tools import TOOLS  # bench/agent_tools.py, beside this script
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also profile one constrained batch of 8 with cProfile")
     ap.add_argument("--prompts-only", action="store_true",
                     help="only the long-prompt measurements (tokenization reuse, /health under load)")
+    ap.add_argument("--apis-only", action="store_true",
+                    help="only the same agent turn through chat, Messages and Responses (TTFT, tokens/s)")
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3: the report is a median")
@@ -306,15 +310,23 @@ def main(argv: list[str] | None = None) -> int:
     log = ProgressLog()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
-    result = {} if args.prompts_only else engine(args, log)
+    result = {} if args.prompts_only or args.apis_only else engine(args, log)
     tok = Tokenizer.load(prepare_model(MODEL, None).directory)
+    prompts, apis = {}, {}
     with tempfile.TemporaryDirectory() as workdir:
-        prompts = agent_prompts.measure(tok, max(args.runs, 5), Path(workdir), log)
-    print(agent_prompts.table(prompts))
-    missed = [k for k, ok in {**result.get("met", {}), **prompts["prompt_met"]}.items() if not ok]
+        if not args.apis_only:
+            prompts = agent_prompts.measure(tok, max(args.runs, 5), Path(workdir), log)
+            print(agent_prompts.table(prompts))
+        if not args.prompts_only:
+            apis = agent_api_parity.measure(max(args.runs, 12), Path(workdir), log)  # 5 rounds: ±8% noise
+            print(agent_api_parity.table(apis))
+    met = {**result.get("met", {}), **prompts.get("prompt_met", {}),
+           **{f"api_{api}": ok for api, ok in apis.get("api_met", {}).items()}}
+    missed = [k for k, ok in met.items() if not ok]
     if missed:
         print(f"targets missed: {', '.join(missed)}")
-    write_json(args.json, {**result, **prompts, "threads": args.threads, **environment(log, load_start)}, log)
+    write_json(args.json, {**result, **prompts, **apis, "threads": args.threads, **environment(log, load_start)},
+               log)
     return 0
 
 
