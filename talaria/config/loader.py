@@ -90,10 +90,25 @@ def parse_config(text: str, path: Path | None) -> TalariaConfig:
         if not re.match(r"https?://[^/\s]+", peer.url):
             probs.add("[[router.peers]]", f"url = {toml_value(peer.url)} is not an http(s) base URL; write e.g. "
                       'url = "http://127.0.0.1:8001"')
+    _check_discovery(server, router, probs)
     probs.raise_if_any()
     return TalariaConfig(path=path, server=server, models=tuple(m for _, m in models),
                          instances=tuple(i for _, i in instances), router=router,
                          telemetry=telemetry)
+
+
+def override_server(cfg: TalariaConfig, **changes: object) -> TalariaConfig:
+    """`cfg` with the `[server]` keys in `changes` that are not None replaced (`talaria up`'s --host,
+    --port and the keys it reads from the environment), checked as the file's own would be."""
+    server = replace(cfg.server, **{k: v for k, v in changes.items() if v is not None})
+    probs = Problems(str(cfg.path) if cfg.path is not None else "<config>")
+    _check_keys(server, probs)
+    _check_discovery(server, cfg.router, probs)
+    if server.peer_port is not None and server.peer_key is None:  # the file may leave it to TALARIA_PEER_KEY
+        probs.add("[server]", f"peer_port = {server.peer_port} needs a peer_key: the peer port answers only calls "
+                  'that present it; add e.g. peer_key = "node-secret", set TALARIA_PEER_KEY, or leave peer_port out')
+    probs.raise_if_any()
+    return replace(cfg, server=server)
 
 
 def _check_keys(server: ServerConfig, probs: Problems) -> None:
@@ -109,11 +124,34 @@ def _check_keys(server: ServerConfig, probs: Problems) -> None:
                       "'_', '.' or '-', e.g. tenant = \"team-a\"")
 
 
+def _check_discovery(server: ServerConfig, router: RouterConfig, probs: Problems) -> None:
+    """`peer_dns` names a host and a port; a peer port is a second port (which only a peer key opens:
+    `override_server` checks that there is one, since it may come from the environment)."""
+    if router.peer_dns is not None:
+        host, _, port = router.peer_dns.rpartition(":")
+        if not host or "/" in router.peer_dns or not port.isdigit() or not 1 <= int(port) <= 65535:
+            probs.add("[router]", f"peer_dns = {toml_value(router.peer_dns)} is not NAME:PORT; write e.g. "
+                      'peer_dns = "talaria-peers.default.svc.cluster.local:8001" (a headless Service and the '
+                      "peers' port)")
+        if router.peer_dns_interval_s <= 0:
+            probs.add("[router]", f"peer_dns_interval_s = {router.peer_dns_interval_s} must be above 0, "
+                      "e.g. peer_dns_interval_s = 5.0")
+    if server.peer_port is not None:
+        if server.peer_port == server.port:
+            probs.add("[server]", f"peer_port = {server.peer_port} is the client port; give peers a port of "
+                      f"their own, e.g. peer_port = {server.port + 1 if server.port < 65535 else server.port - 1}")
+
+
 def config_warnings(cfg: TalariaConfig) -> list[str]:
     """`FILE: WHERE: warning: ...` lines for what a valid config may still get wrong: a peer reached
-    over plain http on another machine, where its key and the calls forwarded there can be read."""
+    over plain http on another machine, where its key and the calls forwarded there can be read;
+    discovered peers without a peer key to present."""
     file = str(cfg.path) if cfg.path is not None else "<config>"
     lines = []
+    if cfg.server.peer_key is None and (cfg.router.peer_dns is not None or cfg.server.peer_port is not None):
+        what = "peer_port" if cfg.server.peer_port is not None else "peer_dns"
+        lines.append(f"{file}: [server]: warning: {what} is set but peer_key is not: `talaria up` needs one "
+                     "(peer_key here or TALARIA_PEER_KEY) for other nodes to read this node and forward calls to it")
     for peer in cfg.router.peers:
         url = urlsplit(peer.url)
         if url.scheme == "http" and not _loopback(url.hostname or ""):

@@ -104,6 +104,9 @@ class ServerConfig:
     # prompt; it changes on every request and would defeat the prefix cache (docs/api.md)
     strip_billing_header: bool = True
     drain_s: float = 30.0  # SIGTERM: stop admitting, give in-flight calls this long to finish, then stop
+    # a second port for other nodes only (telemetry, forwarded calls, /health, /metrics): the peer key is
+    # accepted there and nowhere else, so a network policy can confine it to the node set (docs/deploy.md)
+    peer_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +257,10 @@ class RouterConfig:
     queue_timeout_s: float = 30.0  # overload = "queue" or "sessions": a held call waits its predicted wait plus this
     max_queued: int = 256  # overload = "queue" or "sessions": calls held at once; more get 429
     peers: tuple[PeerConfig, ...] = ()  # [[router.peers]]: other nodes whose instances join the candidates
+    # "NAME:PORT" (a headless Service's name): every address it resolves to, this node's own aside, is a peer,
+    # reached at http://ADDRESS:PORT with this node's [server] peer_key (talaria/routing/peer_set.py)
+    peer_dns: str | None = None
+    peer_dns_interval_s: float = 5.0  # how often peer_dns is resolved again
 
 
 @dataclass(frozen=True, slots=True)

