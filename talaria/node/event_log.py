@@ -3,7 +3,8 @@
 Events from every instance (and later the router) arrive here on the supervisor's event loop.
 Each gets the next node-wide sequence number, goes into a bounded ring (so a dashboard that
 connects late can replay from a sequence number), is appended to the JSONL file when one is
-configured, and is pushed to every live subscriber. A subscriber that falls behind loses its
+configured, is handed to every tap (a synchronous counter, such as the metrics' count of switches
+by path), and is pushed to every live subscriber. A subscriber that falls behind loses its
 oldest unread events rather than slowing the node down. The file never takes the node down: the
 first write that fails (a full disk, a removed mount) is logged and the file sink turned off; the
 ring and the subscribers go on.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from talaria.contracts.events import Event
@@ -29,6 +30,7 @@ class EventLog:
         self._ring: deque[Event] = deque(maxlen=capacity)
         self._next = 1
         self._subscribers: set[asyncio.Queue] = set()
+        self._taps: list[Callable[[Event], None]] = []
         self._path = path
         self._file = path.open("a", encoding="utf-8") if path is not None else None
 
@@ -46,11 +48,21 @@ class EventLog:
             except OSError as e:
                 log.error("event log: writing %s failed (%s); events are no longer written to it", self._path, e)
                 self._drop_file()
+        for tap in self._taps:
+            for e in numbered:
+                try:
+                    tap(e)
+                except Exception:  # a tap is bookkeeping beside the log: it must not cost the node its events
+                    log.exception("event log: a tap failed on a %s event", e.kind.value)
         for q in self._subscribers:
             for e in numbered:
                 if q.full():
                     q.get_nowait()  # drop the oldest unread: never block the node on a slow reader
                 q.put_nowait(e)
+
+    def tap(self, fn: Callable[[Event], None]) -> None:
+        """Call `fn` with every event from now on, as it is appended (on the appending thread)."""
+        self._taps.append(fn)
 
     def since(self, seq: int) -> list[Event]:
         """Buffered events with a sequence number above `seq`."""

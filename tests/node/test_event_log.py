@@ -78,3 +78,18 @@ def test_a_full_disk_turns_the_file_off_once_and_the_log_goes_on(caplog):
     failures = [r for r in caplog.records if "/dev/full" in r.getMessage()]
     assert len(failures) == 1 and "No space left" in failures[0].getMessage()
     log.close()
+
+
+def test_a_tap_sees_every_event_numbered_and_one_that_fails_costs_the_log_nothing(caplog):
+    log = EventLog(capacity=10)
+    seen = []
+
+    def broken(e: Event) -> None:
+        raise RuntimeError("a bug in a counter")
+    log.tap(broken)
+    log.tap(seen.append)
+    with caplog.at_level(logging.ERROR, logger="talaria.node"):
+        log.append([ev(1), ev(2)])
+    assert [(e.seq, e.data["to_model"]) for e in seen] == [(1, "m1"), (2, "m2")]
+    assert [e.seq for e in log.since(0)] == [1, 2]
+    assert "a tap failed on a switch event" in caplog.text
