@@ -24,6 +24,7 @@ class EventKind(str, Enum):
     SP_PARK = "sp_park"  # data: model, session, request, reason (budget | kv | tpot | slot-closed | sp-off), round
     ROUTE = "route"  # instance "router"; data: request, session, model, instance, reason, candidates, cost, ...
     LEASE = "lease"  # instance "router"; data: op (install | consume | discard | expire), session, model, instance
+    PEER = "peer"  # instance "router"; data: op (up | down | left), peer (its URL), source (static | dns), why
     # with an instance's record_steps on (simulator parity, docs/events.md): what it was given and did
     CALL = "call"  # data: request, session, model, prompt_tokens, max_tokens
     STEP = "step"  # data: model, planned_at, seconds, tokens, seqs; switch: true for a switch

@@ -47,7 +47,8 @@ HELP = """\
   HBM           each instance's arena per rank: weights, KV in use, staging, free, runtime;
                 this machine's GPUs (NVML) or RAM when the node runs here
   Leases        live leases: session, model, instance, seconds to expiry
-  Sessions      per instance its models (active, staged, parked) and queues; recent sessions
+  Sessions      per instance its models (active, staged, parked) and queues; the peer set
+                (up, joining, down and why); recent sessions
 
 [b]Sources[/b]
   live: GET /talaria/telemetry every 0.5 s and GET /talaria/events (SSE), resumed after a drop

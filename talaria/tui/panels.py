@@ -22,6 +22,7 @@ GLYPH_REGION = {g: r for r, g in REGION_GLYPH.items()}
 REGION_STYLE = {"weights": "#5fafff", "state": "#d7d75f", "kv": "#87d787", "staging": "#ffaf5f",
                 "free": "#4e4e4e", "runtime": "#af87ff"}
 PHASE_SHORT = ("save", "open", "kv", "rt", "pub")  # PHASE_NAMES, as the panel labels them
+PEER_STATE_STYLE = {"up": "bold green", "joining": "yellow", "down": "bold red"}
 MODEL_STATE_STYLE = {"active": "bold green", "staged": "yellow", "parked": "dim", "?": "dim"}
 MIN_BAR = 10
 NAME_MAX, MODEL_MAX, INSTANCE_MAX = 14, 12, 10  # column caps: longer session ids and names are cut with …
@@ -215,7 +216,8 @@ def _draw_lease(out: Text, lease: Lease, now: float | None, cols: tuple[int, int
 
 
 class SessionsPanel(Panel):
-    """Per instance its models (active, staged, parked) and queues; then the latest sessions."""
+    """Per instance its models (active, staged, parked) and queues; the peer set, when the node has
+    peers; then the latest sessions."""
 
     TITLE = "Sessions and models"
 
@@ -225,6 +227,7 @@ class SessionsPanel(Panel):
         model_col = _width([r.model for v in views for r in v.model_rows()], MODEL_MAX)
         for view in views:
             _draw_instance(out, view, model_col)
+        _draw_peers(out, state)
         routes = state.recent_sessions(max(1, self.size.height - out.plain.count("\n") - 1)
                                        if self.size.height else 8)
         if not routes:
@@ -261,6 +264,24 @@ def _draw_instance(out: Text, view: InstanceView, model_col: int) -> None:
         if row.waiting is not None:
             out.append(f"  waiting {row.waiting}  running {row.running}")
         out.append("\n")
+
+
+def _draw_peers(out: Text, state: DashboardState) -> None:
+    if not state.peers and state.peer_dns is None:
+        return
+    out.append("peers", "bold").append(f"  found by {state.peer_dns}\n" if state.peer_dns else "\n")
+    if not state.peers:
+        out.append("  none yet\n", "dim")
+    col = _width([url.removeprefix("http://") for url in state.peers], NAME_MAX + 10)
+    for peer in state.peers.values():
+        facts = [peer.source]
+        if peer.instances is not None:
+            facts.append(f"{peer.healthy}/{peer.instances} instances healthy")
+        out.append(f"  {_cell(peer.url.removeprefix('http://'), col)} ")
+        out.append(f"{peer.state:<7}", PEER_STATE_STYLE.get(peer.state, ""))
+        out.append(" · ".join(facts) + "\n", "red" if peer.state == "down" else "")
+        if peer.state == "down" and peer.why:
+            out.append(f"    {peer.why}\n", "red")
 
 
 class StatusBar(Static):

@@ -61,6 +61,18 @@ class SessionRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerRow:
+    """Another node in this node's peer set, from telemetry `router.peers` or `peer` events."""
+
+    url: str
+    source: str  # static ([[router.peers]]) | dns (peer_dns)
+    state: str  # joining | up | down
+    why: str | None = None  # why its last heartbeat failed
+    instances: int | None = None  # its instances in this node's router; None without telemetry (a replay)
+    healthy: int | None = None  # of those, the ones that get placements
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRow:
     """One served model of an instance, for the sessions-and-models panel."""
 
@@ -152,6 +164,7 @@ class DashboardState:
         self.devices: tuple[DeviceMemory, ...] = ()  # this machine's GPUs or RAM (live, local node only)
         self.status = FeedStatus(Connection.CONNECTING, "")
         self.telemetry_time: float | None = None  # node clock of the latest telemetry body
+        self.peer_dns: str | None = None  # the name peers are found by, when telemetry says
         self._listed: list[str] = []  # instance names in the telemetry's (config) order
         self.reset_events()
 
@@ -161,6 +174,7 @@ class DashboardState:
         self.switches = SwitchLog()
         self.leases = LeaseBook()
         self.routes: OrderedDict[str, SessionRoute] = OrderedDict()
+        self.peers: dict[str, PeerRow] = {}  # by URL, in the order they joined
         self.last_seq = 0
         self.events = 0
         self.malformed = 0  # event records or snapshots this version cannot read (a newer or foreign writer)
@@ -194,6 +208,14 @@ class DashboardState:
             if view.stats.rounds is not None:
                 self.timeline(name).observe(view.stats.rounds, view.stats.time)
         self.router = telemetry.router
+        peers = self.router.get("peers")
+        if isinstance(peers, dict) and isinstance(peers.get("members"), list):
+            self.peer_dns = peers.get("dns")
+            try:
+                self.peers = {m["url"]: PeerRow(m["url"], m["source"], m["state"], m.get("why"), m.get("instances"),
+                                                m.get("healthy_instances")) for m in peers["members"]}
+            except (KeyError, TypeError):
+                self.malformed += 1
         t = body.get("time")
         if t is not None:
             self.telemetry_time = t
@@ -222,6 +244,15 @@ class DashboardState:
 
     def _on_lease(self, e: dict[str, Any]) -> None:
         self.leases.apply(e)
+
+    def _on_peer(self, e: dict[str, Any]) -> None:
+        """A peer went up or down, or left the set; telemetry, when there is some, repairs the rest."""
+        if e["op"] == "left":
+            self.peers.pop(e["peer"], None)
+            return
+        old = self.peers.get(e["peer"])
+        self.peers[e["peer"]] = PeerRow(e["peer"], e["source"], e["op"], e.get("why"),
+                                        old.instances if old else None, old.healthy if old else None)
 
     def _on_route(self, e: dict[str, Any]) -> None:
         if e.get("session") is None:
@@ -266,6 +297,7 @@ _HANDLERS = {
     EventKind.ROUND: DashboardState._on_round,
     EventKind.LEASE: DashboardState._on_lease,
     EventKind.ROUTE: DashboardState._on_route,
+    EventKind.PEER: DashboardState._on_peer,
     EventKind.KV_CHECKPOINT: DashboardState._on_kv,
     EventKind.KV_RESTORE: DashboardState._on_kv,
 }

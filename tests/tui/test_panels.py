@@ -179,3 +179,23 @@ async def test_an_instance_in_a_crash_loop_shows_its_restarts_and_why():
         text = panel_text(app, "sessions")
     assert "UNHEALTHY (restarting)" in text and "3 restarts" in text
     assert "last failure: stalled: rank 0 sent nothing" in text
+
+
+async def test_the_sessions_panel_lists_the_peer_set_and_why_a_peer_is_down():
+    with_peers = json.loads(json.dumps(TELEMETRY))
+    with_peers["router"]["peers"] = {"dns": "talaria-peers:8001", "members": [
+        {"url": "http://10.0.0.2:8001", "source": "dns", "state": "up", "why": None, "instances": 2,
+         "healthy_instances": 2},
+        {"url": "http://10.0.0.3:8001", "source": "dns", "state": "down", "why": "ConnectError: refused",
+         "instances": 2, "healthy_instances": 0}]}
+    app = replay_app(EVENTS)
+    async with app.run_test(size=SIZE) as pilot:
+        await finished(app, pilot)
+        app.state.apply_telemetry(with_peers)
+        app.redraw()
+        await pilot.pause()
+        lines = [line.strip("│ ") for line in panel_text(app, "sessions").splitlines()]
+    assert "peers  found by talaria-peers:8001" in lines
+    assert "10.0.0.2:8001 up     dns · 2/2 instances healthy" in lines
+    down = lines.index("10.0.0.3:8001 down   dns · 0/2 instances healthy")
+    assert lines[down + 1] == "ConnectError: refused"

@@ -165,3 +165,24 @@ def test_a_snapshot_this_version_cannot_read_keeps_the_last_good_one():
     state.apply_telemetry(newer)
     assert state.malformed == 1 and state.instances["cold-0"].stats.version == stats["version"] - 1
     assert state.instances["hot-0"].stats is not None
+
+
+PEERS = {"dns": "talaria-peers:8001", "interval_s": 5.0, "lookup_failed": None, "leaving": [], "members": [
+    {"url": "http://10.0.0.2:8001", "source": "dns", "state": "up", "why": None, "instances": 2, "healthy_instances": 2},
+    {"url": "http://10.0.0.3:8001", "source": "static", "state": "down", "why": "ConnectError: refused",
+     "instances": 1, "healthy_instances": 0}]}
+
+
+def test_the_peer_set_comes_from_telemetry_and_peer_events_keep_it_between_bodies():
+    state = DashboardState()
+    state.apply_telemetry({"time": 1.0, "instances": {}, "router": {"peers": PEERS}})
+    assert state.peer_dns == "talaria-peers:8001"
+    assert [(p.url, p.source, p.state, p.healthy, p.instances) for p in state.peers.values()] == [
+        ("http://10.0.0.2:8001", "dns", "up", 2, 2), ("http://10.0.0.3:8001", "static", "down", 0, 1)]
+    state.apply_event(event("peer", 1, 2.0, "router", op="down", peer="http://10.0.0.2:8001", source="dns",
+                            why="ReadTimeout: "))
+    state.apply_event(event("peer", 2, 2.1, "router", op="left", peer="http://10.0.0.3:8001", source="static",
+                            why="no longer resolves"))
+    state.apply_event(event("peer", 3, 2.2, "router", op="up", peer="http://10.0.0.4:8001", source="dns", why=None))
+    assert [(p.url, p.state, p.why, p.instances) for p in state.peers.values()] == [
+        ("http://10.0.0.2:8001", "down", "ReadTimeout: ", 2), ("http://10.0.0.4:8001", "up", None, None)]
