@@ -3,7 +3,8 @@
 Latency histograms and token counters are plain numbers the gateway updates as calls finish, turned
 into metric families at scrape time like everything else here; per-instance load
 (queue depth, running sequences, KV pages) is read from `supervisor.stats()` at scrape time, so it is
-never stale and costs nothing between scrapes. A registry per app (not prometheus-client's global
+never stale and costs nothing between scrapes; switches by path are counted from the node's event
+log as they happen, and the peer set is read at scrape time. A registry per app (not prometheus-client's global
 one) lets several gateways — or a simulator and a live node — share a process.
 """
 
@@ -23,8 +24,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from talaria.config.schema import Pool
 from talaria.contracts.call import Usage
+from talaria.contracts.events import Event, EventKind
 from talaria.contracts.telemetry import InstanceStats
+from talaria.contracts.vocabulary import SwitchPath
+from talaria.node.event_log import EventLog
+from talaria.routing.peer_set import PeerSet
 from talaria.routing.router import Router
 
 log = logging.getLogger(__name__)
@@ -102,6 +108,50 @@ class RouterCollector:
         yield from (leases, returns, opens, decisions)
 
 
+class SwitchPathCollector:
+    """Model switches by path (full_d2d, partial, h2d_only), counted from the event log's `switch`
+    events; every path of every cold instance is listed, zeros included, so a dashboard's series
+    exist before the first switch."""
+
+    def __init__(self, stats: Callable[[], Iterable[InstanceStats]], events: EventLog) -> None:
+        self._stats = stats
+        self.counts: dict[tuple[str, str], int] = {}  # (instance, path) -> switches
+        events.tap(self._count)
+
+    def _count(self, event: Event) -> None:
+        if event.kind is EventKind.SWITCH:
+            key = (event.instance, str(event.data.get("path")))
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("talaria_switches", "Model switches by path", labels=["instance", "path"])
+        try:
+            cold = [s.instance for s in self._stats() if s.pool is Pool.COLD]
+        except Exception:  # a scrape must not fail because one source did
+            log.exception("supervisor.stats() failed during a /metrics scrape")
+            cold = []
+        counts = {**{(i, p.value): 0 for i in cold for p in SwitchPath}, **self.counts}
+        for (instance, path), n in sorted(counts.items()):
+            family.add_metric([instance, path], n)
+        yield family
+
+
+class PeerCollector:
+    """The peer set at scrape time: peers by state, and its changes (`peer` events) by op."""
+
+    def __init__(self, peers: PeerSet) -> None:
+        self._peers = peers
+
+    def collect(self) -> Iterator[Metric]:
+        states = GaugeMetricFamily("talaria_peers", "Peer nodes by state (joining, up, down)", labels=["state"])
+        for state, n in self._peers.counts().items():
+            states.add_metric([state], n)
+        changes = CounterMetricFamily("talaria_peer_changes", "Peer set changes: up, down, left", labels=["op"])
+        for op, n in self._peers.changes.items():
+            changes.add_metric([op], n)
+        yield from (states, changes)
+
+
 # (_CallSeries attribute, metric name, help) of what the gateway counts per (model, instance)
 CALL_HISTOGRAMS = (("e2e", "talaria_e2e_latency_seconds", "Time from request arrival to the last token"),
                    ("ttft", "talaria_ttft_seconds", "Time from request arrival to the first token"),
@@ -176,13 +226,18 @@ class GatewayMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stats: Callable[[], Iterable[InstanceStats]], router: Router | None = None) -> None:
+    def __init__(self, stats: Callable[[], Iterable[InstanceStats]], router: Router | None = None,
+                 peers: PeerSet | None = None, events: EventLog | None = None) -> None:
         self.registry = CollectorRegistry()
         self._own = GatewayCollector()
         self.registry.register(self._own)
         self.registry.register(InstanceStatsCollector(stats))
         if router is not None:
             self.registry.register(RouterCollector(router))
+        if peers is not None:
+            self.registry.register(PeerCollector(peers))
+        if events is not None:
+            self.registry.register(SwitchPathCollector(stats, events))
 
     def count_request(self, endpoint: str, status: int) -> None:
         requests = self._own.requests

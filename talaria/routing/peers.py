@@ -13,6 +13,11 @@ status, or a body that is not JSON or not a telemetry envelope; one instance for
 values do not have the telemetry types (a newer or foreign writer), an exception while mirroring
 it, or its absence from the answer. The heartbeat never stops on a bad answer, and the next good
 one restores them.
+
+A link says when its peer goes up (a heartbeat read after none, or after failures) or down (a
+heartbeat failed after one was read) through `on_change`; the peer set (talaria/routing/peer_set.py)
+turns that into events. A peer whose answer carries this node's own id (`NODE_HEADER`) is this node,
+reached by an address it did not know was its own: nothing of it is mirrored.
 """
 
 from __future__ import annotations
@@ -42,31 +47,64 @@ log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 2.0
 CALL_TIMEOUT_S = httpx.Timeout(10.0, read=None)  # a long generation streams for minutes
 _ROUTED = {"kv_tokens": int, "location": str, "staging_coverage": float}  # in the snapshot's untyped dicts
+NODE_HEADER = "x-talaria-node"  # a node's random id, on its telemetry answers
+
+
+class PeerState(str, Enum):
+    JOINING = "joining"  # no heartbeat answered yet
+    UP = "up"  # the last heartbeat was read: its instances are candidates
+    DOWN = "down"  # the last heartbeat failed: its instances get no placements
 
 
 class PeerLink:
     """One peer: the heartbeat that mirrors its instances into the router, and the HTTP client that
     calls forwarded to it go through."""
 
-    def __init__(self, peer: PeerConfig, router: Router, clock: Callable[[], float], heartbeat_s: float) -> None:
+    def __init__(self, peer: PeerConfig, router: Router, clock: Callable[[], float], heartbeat_s: float,
+                 node_id: str | None = None, on_change: Callable[[PeerLink], None] | None = None) -> None:
+        """`node_id`: this node's own id, to know itself by; `on_change(link)`: it went up or down."""
         self.url = peer.url.rstrip("/")
         self.peer = peer
         self.router = router
         self.clock = clock
         self.heartbeat_s = heartbeat_s
         self.prefix = urlsplit(self.url).netloc
+        self.node_id = node_id
+        self.on_change = on_change
+        self.is_self = False  # its answer carried this node's id
         self._profiles: dict[str, Profile] = {}  # TOML text -> parsed
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
         self._failing: str | None = None  # why the last heartbeat failed; None when it was read
+        self._read = False  # a heartbeat was ever read
+
+    @property
+    def state(self) -> PeerState:
+        return PeerState.DOWN if self._failing is not None else PeerState.UP if self._read else PeerState.JOINING
+
+    @property
+    def why(self) -> str | None:
+        """Why its last heartbeat failed; None when it was read."""
+        return self._failing
 
     @property
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.peer.api_key}"} if self.peer.api_key else {}
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=CALL_TIMEOUT_S)
-        self._task = asyncio.create_task(self._run(), name=f"peer {self.url}")
+        """Start the heartbeat (again, after `pause`: the client and its connections are kept)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=CALL_TIMEOUT_S)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"peer {self.url}")
+
+    async def pause(self) -> None:
+        """Stop the heartbeat and take the instances out of placement; calls forwarded over the
+        client go on (a peer that left the set finishes what it was sent)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._unmirrored(set())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -74,6 +112,7 @@ class PeerLink:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
+            self._client = None
 
     async def _run(self) -> None:
         while True:
@@ -87,6 +126,9 @@ class PeerLink:
         try:
             r = await self._client.get(self.url + "/talaria/telemetry", headers=self.headers, timeout=FETCH_TIMEOUT_S)
             r.raise_for_status()
+            if self.node_id is not None and r.headers.get(NODE_HEADER) == self.node_id:
+                self.is_self = True
+                raise LookupError("this is the node itself")
             body = _envelope(r.json())
             now = self.clock()
         except Exception as e:  # noqa: BLE001 -- whatever went wrong, nothing this peer sent is trusted
@@ -100,20 +142,46 @@ class PeerLink:
                     log.debug("peer %s: instance %s unreadable (%s: %s)", self.url, name, type(e).__name__, e)
             if body.unreadable:
                 log.debug("peer %s: instance entries this version cannot read: %s", self.url, body.unreadable)
+            was = self.state
             if self._failing is not None:
                 log.info("peer %s: telemetry read again", self.url)
-                self._failing = None
+            self._failing, self._read = None, True
+            if was is not PeerState.UP:
+                self._changed()
+        self._unmirrored(mirrored)
+
+    def unreachable(self, why: str) -> None:
+        """A call could not reach the peer (no connection): down now, not at the next heartbeat."""
+        self._failed(why)
+        self._unmirrored(set())
+
+    def in_flight(self) -> int:
+        """Calls placed on this peer's instances and not finished."""
+        return sum(v.in_flight for v in self.router.views.values() if v.node == self.url)
+
+    def forget(self) -> None:
+        """Take every instance of this peer out of the router (it left the set)."""
+        for name in [name for name, view in self.router.views.items() if view.node == self.url]:
+            del self.router.views[name]
+
+    def _unmirrored(self, mirrored: set[str]) -> None:
         for view in self.router.views.values():
             if view.node == self.url and view.name not in mirrored:
                 view.healthy = False
 
     def _failed(self, why: str) -> None:
         if self._failing is None:  # once per outage, not every heartbeat
-            log.warning("peer %s: telemetry unreadable, its instances get no calls until it answers (%s)",
-                        self.url, why)
+            log.log(logging.DEBUG if self.is_self else logging.WARNING,
+                    "peer %s: telemetry unreadable, its instances get no calls until it answers (%s)", self.url, why)
+            self._failing = why
+            self._changed()
         else:
             log.debug("peer %s: telemetry failed: %s", self.url, why)
-        self._failing = why
+            self._failing = why
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     def _mirror(self, name: str, entry: InstanceTelemetry, now: float, their_now: float) -> None:
         """`their_now`: the peer's clock when it answered; a snapshot's age on its clock dates it on ours."""

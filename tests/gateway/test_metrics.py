@@ -41,3 +41,40 @@ def test_histograms_are_cumulative_with_inclusive_bounds_and_counters_add_up():
     requests = {"endpoint": "/v1/completions"}
     assert s[("talaria_requests_total", frozenset({**requests, "status": "200"}.items()))] == 2
     assert s[("talaria_requests_total", frozenset({**requests, "status": "400"}.items()))] == 1
+
+
+def test_switches_are_counted_by_path_from_the_event_log_every_path_of_a_cold_instance_listed():
+    from talaria.config.schema import Pool
+    from talaria.contracts.events import Event, EventKind
+    from talaria.contracts.telemetry import InstanceStats
+    from talaria.node.event_log import EventLog
+
+    events = EventLog()
+    cold = InstanceStats("cold-0", 0, 0, 0, 8, pool=Pool.COLD)
+    hot = InstanceStats("hot-0", 0, 0, 0, 8, pool=Pool.HOT)
+    m = GatewayMetrics(lambda: [cold, hot], events=events)
+    events.append([Event(1.0, "cold-0", EventKind.SWITCH, {"path": "partial"}),
+                   Event(2.0, "cold-0", EventKind.SWITCH, {"path": "partial"}),
+                   Event(2.5, "cold-0", EventKind.ROUND, {"round": 1}),
+                   Event(3.0, "cold-0", EventKind.SWITCH, {"path": "full_d2d"})])
+    switches = {dict(labels)["path"]: v for (name, labels), v in samples(m).items() if name == "talaria_switches_total"}
+    assert switches == {"full_d2d": 1, "partial": 2, "h2d_only": 0}  # hot-0 never switches: not listed
+
+
+def test_the_peer_set_is_counted_by_state_and_its_changes_by_op():
+    import asyncio
+
+    from talaria.config.schema import RouterConfig, ServerConfig
+    from talaria.routing.peer_set import PeerSet
+    from talaria.routing.router import Router
+
+    router = Router(RouterConfig(), lambda: 0.0, lambda kind, **data: None)
+    peers = PeerSet(RouterConfig(peer_dns="peers:9"), ServerConfig(), router, router.clock, [], "me",
+                    lambda name, port: asyncio.sleep(0, ["192.0.2.1", "192.0.2.2"]))
+    asyncio.run(peers.discover())
+    peers.links[0].unreachable("ConnectError: refused")
+    s = {(name, frozenset(labels)): v for (name, labels), v in samples(GatewayMetrics(list, router, peers)).items()}
+    assert s[("talaria_peers", frozenset({("state", "joining")}))] == 1
+    assert s[("talaria_peers", frozenset({("state", "down")}))] == 1
+    assert s[("talaria_peers", frozenset({("state", "up")}))] == 0
+    assert s[("talaria_peer_changes_total", frozenset({("op", "down")}))] == 1
