@@ -6,6 +6,7 @@ import click
 
 from talaria import __version__
 from talaria.cli.config_cmd import config
+from talaria.cli.drain_cmd import drain
 from talaria.cli.profile_cmd import profile
 from talaria.cli.replay_cmd import replay
 from talaria.cli.sim_cmd import sim
@@ -31,6 +32,7 @@ cli.add_command(profile)
 cli.add_command(replay)
 cli.add_command(sim)
 cli.add_command(tui)
+cli.add_command(drain)
 
 
 if __name__ == "__main__":

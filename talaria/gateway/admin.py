@@ -6,7 +6,12 @@ KV pages, active model, switches, the substrate's staging and host-KV state). `G
 after SEQ first. `POST
 /talaria/admin/switch` with `{"instance": NAME, "model": NAME}` opens that model on that instance
 now and answers with the switch record (per-rank phase times, path, staged and dirty bytes).
-All need the API key when one is configured.
+`POST /talaria/admin/drain` starts the drain a Kubernetes preStop asks for (`talaria drain`): the
+node goes on serving every call that reaches it, but `/health` answers 503 "draining" (readiness
+takes it out of its Service) and its telemetry shows every instance unhealthy, state "draining"
+(peers place nothing new there); it answers with the calls still in flight here, which the caller
+polls down to zero. The telemetry answer carries the node's id (`NODE_HEADER`), by which a node
+that reaches itself through its peers' name knows it. All need the API key when one is configured.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from talaria.gateway.errors import (
 )
 from talaria.gateway.sse import SSEResponse
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
+from talaria.routing.peers import NODE_HEADER
 
 if TYPE_CHECKING:
     from talaria.gateway.gateway import Gateway
@@ -44,11 +50,21 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
         instances = {}
         for g in supervisor.groups:
             profile = g.ready.profile if g.ready is not None else None
-            instances[g.name] = InstanceTelemetry(g.healthy, g.in_flight, g.config.models, g.stats,
+            draining = gateway.draining and g.healthy
+            instances[g.name] = InstanceTelemetry(g.healthy and not draining, g.in_flight, g.config.models, g.stats,
                                                   dump_profile(profile) if profile is not None else None, g.restarts,
-                                                  g.state, g.last_failure)
+                                                  "draining" if draining else g.state, g.last_failure)
         router = gateway.dispatcher.router
-        return JSONResponse(NodeTelemetry(router.clock(), instances, router.telemetry()).to_dict())
+        body = NodeTelemetry(router.clock(), instances, {**router.telemetry(), "peers": gateway.peers.telemetry()})
+        return JSONResponse(body.to_dict(), headers={NODE_HEADER: gateway.node_id})
+
+    async def drain(request: Request) -> JSONResponse:
+        gateway.keys.admin_only(request)
+        gateway.draining = True
+        dispatcher = gateway.dispatcher
+        forwarded = sum(v.in_flight for v in dispatcher.router.views.values() if v.node is not None)
+        in_flight = sum(g.in_flight for g in supervisor.groups) + forwarded + len(dispatcher.held)
+        return JSONResponse({"draining": True, "in_flight": in_flight, "drain_s": gateway.config.server.drain_s})
 
     async def switch(request: Request) -> JSONResponse:
         gateway.keys.admin_only(request)
@@ -84,4 +100,5 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
 
     return [Route("/talaria/telemetry", telemetry, methods=["GET"]),
             Route("/talaria/events", events, methods=["GET"]),
-            Route("/talaria/admin/switch", switch, methods=["POST"])]
+            Route("/talaria/admin/switch", switch, methods=["POST"]),
+            Route("/talaria/admin/drain", drain, methods=["POST"])]

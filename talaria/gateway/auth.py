@@ -8,6 +8,9 @@
 - `/talaria/telemetry` (session listings included): the admin key or the peer key; with neither
   configured, loopback clients only.
 - `/health` and `/metrics` are open: they carry no session, prompt or tenant.
+- With `[server] peer_port`, the peer key opens only that port, and that port opens only to it
+  (`/health` and `/metrics` aside): telemetry and forwarded calls there, nothing of it on the client
+  port, so a network policy that confines the peer port to the node set confines the key's rights.
 
 A key is read from `Authorization: Bearer <key>` (OpenAI's way) or `x-api-key` (Anthropic's) and
 compared in constant time. A missing key is a 401, a key without the right is a 403.
@@ -52,9 +55,13 @@ class Keys:
             self.users[server.api_key] = DEFAULT_TENANT
         self.admin = server.admin_key
         self.peer = server.peer_key
+        self.peer_port = server.peer_port
 
     def tenant(self, request: Request) -> str:
         """The tenant a `/v1` call is made for; raises a 401 without a valid key."""
+        if self._at_peer_port(request):
+            self._require(request, (self.peer,), "the peer key", "peer_key")
+            return self._forwarded(request)
         if not self.users:
             return DEFAULT_TENANT if not self._peer_call(request) else self._forwarded(request)
         token = presented_key(request)
@@ -63,17 +70,30 @@ class Keys:
         for key, tenant in self.users.items():  # a handful of keys: constant time for each
             if _is(token, key):
                 return tenant
-        if _is(token, self.peer):
+        if _is(token, self.peer) and self.peer_port is None:
             return self._forwarded(request)
         raise APIError(401, "Incorrect API key provided.", AUTHENTICATION, None, "invalid_api_key",
                        {"WWW-Authenticate": "Bearer"})
 
     def admin_only(self, request: Request) -> None:
         """`/talaria/admin/*` and the event stream."""
+        if self._at_peer_port(request):
+            raise APIError(403, "the peer port serves other Talaria nodes only; use the client port",
+                           PERMISSION, None, "peer_port_only")
         self._require(request, (self.admin,), "the admin key", "admin_key")
 
     def telemetry(self, request: Request) -> None:
-        self._require(request, (self.admin, self.peer), "the admin or peer key", "admin_key or peer_key")
+        if self._at_peer_port(request):
+            self._require(request, (self.peer,), "the peer key", "peer_key")
+        elif self.peer_port is not None:  # the peer key opens the peer port only
+            self._require(request, (self.admin,), "the admin key (peers read it on the peer port)", "admin_key")
+        else:
+            self._require(request, (self.admin, self.peer), "the admin or peer key", "admin_key or peer_key")
+
+    def _at_peer_port(self, request: Request) -> bool:
+        """The request came in on `[server] peer_port` (the listening socket's port, not a header)."""
+        server = request.scope.get("server")
+        return self.peer_port is not None and server is not None and server[1] == self.peer_port
 
     def _require(self, request: Request, keys: tuple[str | None, ...], what: str, setting: str) -> None:
         keys = tuple(k for k in keys if k is not None)
@@ -90,7 +110,7 @@ class Keys:
                            PERMISSION, None, "permission_denied")
 
     def _peer_call(self, request: Request) -> bool:
-        return TENANT_HEADER in request.headers and _is(presented_key(request), self.peer)
+        return TENANT_HEADER in request.headers and _is(presented_key(request), self.peer) and self.peer_port is None
 
     def _forwarded(self, request: Request) -> str:
         return request.headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT

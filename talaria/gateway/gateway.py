@@ -58,7 +58,7 @@ from talaria.gateway.limits import ConnectionLimit
 from talaria.gateway.metrics import GatewayMetrics
 from talaria.gateway.openai_protocol import Endpoint, ParsedRequest, parse_request
 from talaria.gateway.output_parser import Content
-from talaria.gateway.peer_forward import FORWARDED_HEADER, forward
+from talaria.gateway.peer_forward import FORWARDED_HEADER, PeerUnreachable, forward
 from talaria.gateway.prompt_cache import PromptCache
 from talaria.gateway.response_store import ResponseStore
 from talaria.gateway.responses import ResponseFormat
@@ -68,13 +68,14 @@ from talaria.gateway.sse import CancelOnDisconnect, SSEResponse, client_left
 from talaria.node.errors import InstanceFailed, InstanceUnavailable
 from talaria.routing.decision import RouteRequest
 from talaria.routing.dispatcher import Dispatcher, Placement
-from talaria.routing.peers import PeerLink
+from talaria.routing.peer_set import PeerSet
 
 if TYPE_CHECKING:
     from talaria.node.node_handle import NodeHandle
 
 log = logging.getLogger(__name__)
 
+MAX_FORWARDS = 3  # a call whose peer could not be reached is placed again, this many times in all
 INLINE_PARSE_BYTES = 8192  # smaller bodies are parsed and tokenized on the event loop (well under a ms)
 ID_PREFIX = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-", Endpoint.MESSAGES: "msg_",
              Endpoint.RESPONSES: "resp_"}  # as each API writes them
@@ -120,9 +121,11 @@ class Gateway:
         self.config = supervisor.config
         self.keys = Keys(self.config.server)
         self.dispatcher = Dispatcher(supervisor, self.config.router, clock)
-        self.dispatcher.peers = [PeerLink(p, self.dispatcher.router, clock, self.config.router.heartbeat_s)
-                                 for p in self.config.router.peers]
-        self.metrics = GatewayMetrics(supervisor.stats, self.dispatcher.router)
+        self.node_id = secrets.token_hex(16)  # on its telemetry answers: a node that finds itself among its peers knows it
+        self.peers = PeerSet(self.config.router, self.config.server, self.dispatcher.router, clock,
+                             self.dispatcher.peers, self.node_id)
+        self.draining = False  # POST /talaria/admin/drain: peers and probes see it leaving (admin.py)
+        self.metrics = GatewayMetrics(supervisor.stats, self.dispatcher.router, self.peers, supervisor.events)
         self.prompts = PromptCache()
         self.stored_responses = ResponseStore(clock)  # the Responses API's previous_response_id
         self._clock = clock
@@ -132,13 +135,14 @@ class Gateway:
 
     async def health(self, request: Request) -> JSONResponse:
         """200 when every engine group is healthy, else 503; the body lists each instance: its state
-        (starting, ready, restarting, stopped), calls in flight, restarts and why it last failed."""
+        (starting, ready, restarting, stopped), calls in flight, restarts and why it last failed. A
+        draining node answers 503 "draining": readiness probes take it out of its Service."""
         groups = self.supervisor.groups
-        ok = bool(groups) and all(g.healthy for g in groups)
+        ok = bool(groups) and all(g.healthy for g in groups) and not self.draining
         instances = {g.name: {"healthy": g.healthy, "state": g.state, "in_flight": g.in_flight,
                               "restarts": g.restarts, "last_failure": g.last_failure} for g in groups}
-        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": instances},
-                            status_code=200 if ok else 503)
+        status = "ok" if ok else "draining" if self.draining else "unavailable"
+        return JSONResponse({"status": status, "instances": instances}, status_code=200 if ok else 503)
 
     async def metrics_page(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -195,10 +199,18 @@ class Gateway:
         local = request.headers.get(FORWARDED_HEADER) is not None  # a peer sent it: serve it here
         route = RouteRequest(parsed.model, session, len(parsed.prompt_token_ids), parsed.sampling.max_tokens,
                              request_id, tenant)
-        placement = await self.dispatcher.place(route, chain, inferred, parsed.messages is not None,
-                                                parsed.prompt_token_ids, local, lambda: client_left(request.receive))
-        if placement.peer is not None:
-            return await forward(placement.peer, request, body, session, self.dispatcher, placement, tenant)
+        place = partial(self.dispatcher.place, route, chain, inferred, parsed.messages is not None,
+                        parsed.prompt_token_ids, local, lambda: client_left(request.receive))
+        placement = await place()
+        for attempt in range(1, MAX_FORWARDS + 1):
+            if placement.peer is None:
+                break
+            try:
+                return await forward(placement.peer, request, body, session, self.dispatcher, placement, tenant)
+            except PeerUnreachable:  # it never got the call and is out of placement now: placed again
+                if attempt == MAX_FORWARDS:
+                    raise
+                placement = await place()
         group = placement.group
         call = InstanceCall(request_id, parsed.model, parsed.prompt_token_ids, parsed.sampling,
                             session, enqueue_time=arrival, cache_salt=namespace)

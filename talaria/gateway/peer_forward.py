@@ -5,6 +5,10 @@ The request goes out as it came in, with the session id in `X-Session-Id` and
 Streaming is preserved: the peer's SSE bytes are relayed as they arrive. The finish (with the usage
 the peer reported) goes back to the dispatcher, so the session's lease points at the peer.
 
+A peer that cannot be connected to never got the call: it is taken out of placement at once
+(`PeerLink.unreachable`) and `PeerUnreachable` tells the gateway to place the call again, so a node
+that died is no loss to the calls sent after it did. An error once connected is the call's own 503.
+
 A client that goes away stops the call on the peer too, as it does a local one: the forward runs
 under `CancelOnDisconnect` (a stream under `SSEResponse`, which watches the same way), and closing
 the peer's response closes its connection, which the peer takes as its own client's disconnect.
@@ -32,6 +36,10 @@ log = logging.getLogger(__name__)
 FORWARDED_HEADER = "x-talaria-forwarded"
 
 
+class PeerUnreachable(APIError):
+    """No connection to the peer: the call was not sent, so it may be placed elsewhere."""
+
+
 async def forward(peer: PeerLink, request: Request, body: dict, session: str, dispatcher: Dispatcher,
                   placement: Placement, tenant: str) -> Response:
     """Send the call to the peer, for `tenant` (which the peer takes from a call made with its
@@ -51,6 +59,10 @@ async def forward(peer: PeerLink, request: Request, body: dict, session: str, di
             else:
                 content = await resp.aread()
                 usage = _usage(content) if resp.status_code == 200 else None
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        peer.unreachable(f"{type(e).__name__}: {e}")
+        raise PeerUnreachable(503, f"peer {peer.url} could not be reached: {e}", UNAVAILABLE, None,
+                              "peer_unavailable", {"Retry-After": str(RETRY_AFTER_S)}) from None
     except httpx.HTTPError as e:
         raise APIError(503, f"peer {peer.url} did not answer the call: {e}", UNAVAILABLE, None, "peer_unavailable",
                        {"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -51,10 +51,11 @@ class Supervisor:
 
     def prepare(self, progress: Progress | None = None) -> None:
         """Resolve, convert (once, cached) and load the tokenizer of every model the instances use;
-        with peers, of every listed model (a model served only by a peer is tokenized here)."""
+        with peers (listed or found by peer_dns), of every listed model (a model served only by a peer is
+        tokenized here)."""
         base = self.config.path.parent if self.config.path else None
         used = {m for inst in self.config.instances for m in inst.models}
-        if self.config.router.peers:
+        if self.config.router.peers or self.config.router.peer_dns:
             used |= {m.name for m in self.config.models}
         for model in self.config.models:
             if model.name not in used:

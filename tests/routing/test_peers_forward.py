@@ -180,3 +180,41 @@ def test_a_forwarded_call_runs_on_the_peer_for_its_tenant():
     assert client.sent[0]["status"] == 200, client.body()
     [call] = group.calls
     assert call.cache_salt == "team-a" and call.session_id.startswith("team-a/")
+
+
+def test_a_call_placed_on_a_peer_that_died_is_placed_again_on_another():
+    """Two peers serve the model; the one A prefers dies between heartbeats. A's call finds no one
+    listening there, takes that peer out of placement and goes to the other: the client sees a 200."""
+    dead, alive = FakeEchoGroup("hot-b"), FakeEchoGroup("hot-c")
+    with serve_app(create_app(FakeEchoSupervisor([alive]))) as alive_url:
+        with serve_app(create_app(FakeEchoSupervisor([dead]))) as dead_url:
+            router = RouterConfig(policy=RouterPolicy.LEAST_PRESSURE, peers=(PeerConfig(dead_url), PeerConfig(alive_url)))
+            app = create_app(FakeEchoSupervisor([], router=router))
+            gateway = app.state.gateway
+            links = gateway.dispatcher.peers
+
+            async def heartbeats() -> None:
+                for link in links:
+                    link.start()
+                    await link.refresh()
+            loop = asyncio.new_event_loop()  # one loop for the links' whole life: their clients live on it
+            loop.run_until_complete(heartbeats())
+        # dead_url's server is gone; A's views of it are still healthy until its next heartbeat
+        client = Client()
+        router_ = gateway.dispatcher.router
+        alive_view = next(v for v in router_.views.values() if v.node == alive_url)
+        router_.sent(alive_view.name)  # busier than the dead one, so least-pressure tries the dead one first
+        try:
+            loop.run_until_complete(asyncio.wait_for(
+                post_then_leave(app, {"model": MODEL, "prompt": "abc", "max_tokens": 3}, client, "2.4"), WAIT_S))
+            states = [link.state.value for link in links]
+        finally:
+            router_.finished(alive_view.name)
+            loop.run_until_complete(gateway.peers.stop())
+            loop.close()
+    assert client.sent[0]["status"] == 200, client.body()
+    assert json.loads(client.body())["choices"][0]["text"] == "abc"
+    assert len(alive.completed) == 1 and dead.calls == []
+    assert states == ["down", "up"]
+    routes = [e.data["target"] for e in gateway.supervisor.events.since(0) if e.kind.value == "route"]
+    assert routes == [f"{dead_url.removeprefix('http://')}/hot-b", alive_view.name]  # placed twice, on each
