@@ -244,7 +244,7 @@ ANTHROPIC = _table("set", {
                     ({"type": "tool", "name": "nope"}, R), ({"type": "auto", "disable_parallel_tool_use": "x"}, E)],
     "output_config": [({}, O), ("x", R), ({"format": {"type": "json_schema"}}, R),
                       ({"format": {"type": "json_schema", "schema": {"type": "object"}}}, E)],
-    "messages": [([], R), ([{"role": "system", "content": "x"}], R), (said(5), R),
+    "messages": [([], R), ([{"role": "system", "content": "x"}], O), (said(5), R),
                  (said([{"type": "image", "source": {}}]), R),
                  (said([{"type": "document"}]), R), (said([{"type": "wat"}]), R),
                  (said([{"type": "tool_use", "id": "a", "name": "b", "input": {}}]), R),
