@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -149,10 +150,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; one past float's range (`1e400`) is refused like NaN."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:40]} is outside the range of a finite number")
+    return value
+
+
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a str decoded from JSON holds them only unpaired
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # built once: json.loads and json.dumps with options build a decoder or an encoder per call
-_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+_JSON = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 _JSON_OUT = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
