@@ -247,7 +247,7 @@ def _tools(f: Fields) -> Tools | None:
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind not in ("auto", "any", "tool", "none"):
             raise APIError.invalid('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice")
-        parallel = not choice.get("disable_parallel_tool_use", False)
+        parallel = not Fields(choice, "tool_choice.").boolean("disable_parallel_tool_use", False)
         choice = {"auto": "auto", "none": "none", "any": "required",
                   "tool": {"type": "function", "function": {"name": choice.get("name")}}}[kind]
     parsed = parse_tools(Fields({"tools": functions, "tool_choice": choice, "parallel_tool_calls": parallel}))
