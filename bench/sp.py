@@ -1,6 +1,6 @@
 """Session-prefill (SP) on a live cold instance, in paired runs with SP on and off, beside the simulator.
 
-    python bench/sp.py [--json PATH] [--pairs N] [--profile PATH] [--workdir DIR]
+    python bench/sp.py [--json PATH] [--pairs N] [--fit-runs N] [--profile PATH] [--workdir DIR]
 
 The workload and the instance are fixed in bench/sp_workload.py, which derives them from the paper
 (its docstring): three float64 tiny models on one cold instance with 1.6 s rounds, ten sessions per
@@ -10,13 +10,13 @@ them is an option, so nothing can be tuned to a result.
 1. **Profile.** `talaria profile` measures the instance on this machine (about 20 s) unless
    `--profile` names one. The live runs budget their rounds with this file (`profile = ...` in
    their config) and the simulator charges it, so both start from the same costs.
-2. **Live pairs.** `talaria up` with SP on, the trace replayed closed-loop (`talaria replay`'s
-   synthesized bodies: fixed prompts, ignore_eos, greedy), stopped; then the same with
-   `ablations = ["sp"]`. A pair's order alternates (on-off, off-on, ...) so drift in the machine's
-   load falls on both sides equally; the default 4 pairs balance the two orders.
+2. **Calibration runs** (issue 38). `--fit-runs` (2) step-recording runs of the same trace, SP on
+   and off in turn, before any pair. The live-corrected and live-fitted predictions (3, 4) are made
+   from these runs alone and logged before the first pair starts: the pairs they are judged
+   against never enter them. (Runs 1-8 fitted on the pairs' own steps.)
 3. **Simulated.** `talaria.sim`'s `Simulation` runs the same trace on the same config, SP on and
-   off, twice: on the profile as measured, and on the profile with each model's prefill and decode
-   curves scaled by the corrections the live runs measured (every cold instance keeps an EWMA of
+   off: on the profile as measured, and on the profile with each model's prefill and decode
+   curves scaled by the corrections the calibration runs measured (every cold instance keeps an EWMA of
    measured / profile-priced step time per model and kind of work; each run samples it from
    `/talaria/telemetry` every 0.5 s, and the scale is the mean over samples and runs). The live
    instance ran its steps about twice as slowly as `talaria profile`'s fastest-of-runs probes on this
@@ -25,14 +25,19 @@ them is an option, so nothing can be tuned to a result.
    These are mechanism costs (step times), never outcomes (profiles/README.md).
 4. **Fitted** (from run 4, registered 2026-12-02 before it ran). The live instances record every
    step (`record_steps`: what it measured and what the profile alone priced its prompt chunks, host
-   KV restores and decode chunks at), and per model a non-negative least-squares fit over all runs'
-   steps gives measured - priced restores = a_p x priced prefill + a_d x priced decode + b for each
+   KV restores and decode chunks at), and per model a non-negative least-squares fit over the
+   calibration runs' steps gives measured - priced restores = a_p x priced prefill + a_d x priced decode + b for each
    part the step has (from run 6: runs 4 and 5 fitted restores inside the prefill part). The
    simulator runs once more on the profile whose curves are scaled by a_p and a_d with b added to
    both fixed costs ("live-fitted"). Why: run 3's live-corrected prediction scaled whole curves by
    a mean ratio, which the frequent small steps dominate; a per-step cost of the serving loop
    (scheduling, sampling, the pipe) spread that way overprices the large SP steps and saturates the
    simulated rounds. The fit has a place for that cost.
+5. **Live pairs.** `talaria up` with SP on, the trace replayed closed-loop (`talaria replay`'s
+   synthesized bodies: fixed prompts, ignore_eos, greedy), stopped; then the same with
+   `ablations = ["sp"]`. A pair's order alternates (on-off, off-on, ...) so drift in the machine's
+   load falls on both sides equally; the default 4 pairs balance the two orders. The pairs record
+   steps too, so they run as the calibration runs did; their steps are not used.
 
 The statistic is the SCT sum over the 30 sessions (SCT: a session's first intended enqueue to its
 last response), chosen before measuring: SP saves time per admitted continuation, and the sum adds
@@ -300,7 +305,7 @@ def verdict(ratios: list[float], sim_ratio: float) -> dict:
             "median_over_sim": median / sim_ratio, "tolerance": TOLERANCE, **checks, "holds": all(checks.values())}
 
 
-def table(pairs: list[dict], sims: dict[str, dict], v: dict) -> str:
+def table(pairs: list[dict], sims: dict[str, dict], v: dict, calibration: list[dict] = ()) -> str:
     def ms(run: dict) -> str:
         return "-" if run["round_wall_p50_s"] is None else f"{run['round_wall_p50_s'] * 1e3:.0f}"
 
@@ -313,6 +318,11 @@ def table(pairs: list[dict], sims: dict[str, dict], v: dict) -> str:
     for i, p in enumerate(pairs, 1):
         load = f"{p['on']['load_average']['start']:.1f}/{p['off']['load_average']['start']:.1f}"
         rows.append(row(f"{i} ({p['order']})", p["on"], p["off"], p["ratio"], load))
+    for i in range(0, len(calibration) - 1, 2):  # fit runs alternate on, off: shown in twos, not judged
+        on, off = calibration[i], calibration[i + 1]
+        load = f"{on['load_average']['start']:.1f}/{off['load_average']['start']:.1f}"
+        rows.append(row(f"calibration {i // 2 + 1} (on-off, fitted, not judged)", on, off,
+                        off["sct_sum_s"] / on["sct_sum_s"], load))
     for name, sim in sims.items():
         rows.append(row(f"simulator, {name}", sim["sim-on"], sim["sim-off"], sim["ratio"], "-"))
     summary = (f"median off/on {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}); simulator "
@@ -322,26 +332,60 @@ def table(pairs: list[dict], sims: dict[str, dict], v: dict) -> str:
     return render(rows) + "\n" + summary
 
 
-def live_pairs(n: int, trace: list[TraceCall], profile: Path, workdir: Path, log: ProgressLog
-               ) -> tuple[list[dict], list[dict], list[Step], set[tuple[str, int]]]:
-    """`n` pairs in alternating order; the pairs, every run's summary, every run's engine steps, and
-    the calls whose text differed from the first run's."""
-    runs, pairs, steps, texts, differing = [], [], [], {}, set()
+def same_text(result: ReplayResult, texts: dict[tuple[str, int], str], differing: set[tuple[str, int]]) -> None:
+    """Note in `differing` every call whose text differs from the first run's (kept in `texts`)."""
+    for c in result.calls:
+        if texts.setdefault((c.session_id, c.index), c.text) != c.text:
+            differing.add((c.session_id, c.index))
+
+
+def calibration_runs(n: int, trace: list[TraceCall], profile: Path, workdir: Path, log: ProgressLog,
+                     texts: dict, differing: set) -> tuple[list[dict], list[Step]]:
+    """`n` step-recording runs, SP on and off in turn, made before the pairs and apart from them: the
+    live-corrected and live-fitted predictions come from these runs alone, never from the pairs they
+    are judged against (issue 38)."""
+    runs, steps = [], []
+    for i in range(n):
+        sp = i % 2 == 0
+        result, summary, run_steps = live_run(f"fit{i + 1}-{'on' if sp else 'off'}", sp, trace, profile, workdir, log)
+        same_text(result, texts, differing)
+        runs.append(summary)
+        steps += run_steps
+    return runs, steps
+
+
+def live_pairs(n: int, trace: list[TraceCall], profile: Path, workdir: Path, log: ProgressLog,
+               texts: dict, differing: set) -> tuple[list[dict], list[dict]]:
+    """`n` pairs in alternating order: the pairs and every run's summary. Their steps are recorded (so
+    the pairs run as the calibration runs did) but go into no prediction."""
+    runs, pairs = [], []
     for i in range(n):
         pair: dict = {"order": "on-off" if i % 2 == 0 else "off-on"}
         for sp in ((True, False) if i % 2 == 0 else (False, True)):
-            result, summary, run_steps = live_run(f"pair{i + 1}-{'on' if sp else 'off'}", sp, trace, profile,
-                                                  workdir, log)
-            steps += run_steps
-            for c in result.calls:
-                if texts.setdefault((c.session_id, c.index), c.text) != c.text:
-                    differing.add((c.session_id, c.index))
+            result, summary, _ = live_run(f"pair{i + 1}-{'on' if sp else 'off'}", sp, trace, profile, workdir, log)
+            same_text(result, texts, differing)
             runs.append(summary)
             pair["on" if sp else "off"] = summary
         pair["ratio"] = pair["off"]["sct_sum_s"] / pair["on"]["sct_sum_s"]
         log(f"pair {i + 1}: off/on {pair['ratio']:.3f}")
         pairs.append(pair)
-    return pairs, runs, steps, differing
+    return pairs, runs
+
+
+def predictions(trace: list[TraceCall], profile: Profile, path: Path, calibration: list[dict],
+                steps: list[Step], workdir: Path, log: ProgressLog) -> tuple[dict[str, dict], dict, dict]:
+    """The simulator's SP off/on predictions: on the profile as measured, live-corrected and
+    live-fitted, the last two from the calibration runs' corrections and steps only."""
+    sims = {"profile": simulate(trace, profile, path, workdir, log, "profile")}
+    live_profile, scales = corrected(profile, calibration)
+    log("corrections: " + ", ".join(f"{k} {s:.2f}" for k, s in sorted(scales.items())))
+    sims["live-corrected"] = simulate(trace, live_profile, path, workdir, log, "live-corrected")
+    fit_profile, fits = fitted(profile, steps)
+    log("fits: " + "; ".join(f"{m} prefill x{f.prefill:.2f}, decode x{f.decode:.2f}, "
+                              f"+{f.per_part_s * 1e3:.2f} ms a part (R2 {f.r2:.2f}, {f.steps} steps)"
+                              for m, f in fits.items()))
+    sims["live-fitted"] = simulate(trace, fit_profile, path, workdir, log, "live-fitted")
+    return sims, scales, fits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,9 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=4, help="SP on/off pairs, alternating order (at least 3)")
     ap.add_argument("--profile", type=Path, help="a profile of this instance instead of measuring one")
     ap.add_argument("--workdir", type=Path, help="keep configs, server logs and event logs here")
+    ap.add_argument("--fit-runs", type=int, default=2,
+                    help="step-recording runs before the pairs, SP on and off in turn, that the predictions "
+                         "are fitted on (at least 2: the fit needs both modes' steps)")
     args = ap.parse_args(argv)
     if args.pairs < 3:
         ap.error("--pairs must be at least 3: one pair cannot tell an effect from noise")
+    if args.fit_runs < 2:
+        ap.error("--fit-runs must be at least 2: one SP-on and one SP-off run to fit the steps of both modes")
 
     log = ProgressLog()
     load_start = os.getloadavg()[0]
@@ -363,24 +412,22 @@ def main(argv: list[str] | None = None) -> int:
         log(f"workdir {workdir}, {len(trace)} calls, load average {load_start:.2f}")
         path = args.profile or measure_profile(workdir, log)
         profile = load_profile(path)
-        sims = {"profile": simulate(trace, profile, path, workdir, log, "profile")}
-        pairs, runs, steps, differing = live_pairs(args.pairs, trace, path, workdir, log)
-        live_profile, scales = corrected(profile, runs)
-        log("corrections: " + ", ".join(f"{k} {s:.2f}" for k, s in sorted(scales.items())))
-        sims["live-corrected"] = simulate(trace, live_profile, path, workdir, log, "live-corrected")
-        fit_profile, fits = fitted(profile, steps)
-        log("fits: " + "; ".join(f"{m} prefill x{f.prefill:.2f}, decode x{f.decode:.2f}, "
-                                  f"+{f.per_part_s * 1e3:.2f} ms a part (R2 {f.r2:.2f}, {f.steps} steps)"
-                                  for m, f in fits.items()))
-        sims["live-fitted"] = simulate(trace, fit_profile, path, workdir, log, "live-fitted")
+        texts: dict[tuple[str, int], str] = {}
+        differing: set[tuple[str, int]] = set()
+        calibration, steps = calibration_runs(args.fit_runs, trace, path, workdir, log, texts, differing)
+        # the prediction is made and logged before a single pair runs
+        sims, scales, fits = predictions(trace, profile, path, calibration, steps, workdir, log)
+        log(f"prediction (live-fitted, from {len(calibration)} calibration runs): off/on "
+            f"{sims['live-fitted']['ratio']:.3f}")
+        pairs, runs = live_pairs(args.pairs, trace, path, workdir, log, texts, differing)
         profile_text = path.read_text()
     v = verdict([p["ratio"] for p in pairs], sims["live-fitted"]["ratio"])
     print(f"workload: {len(trace)} calls, 3 models x {wl.SESSIONS_PER_MODEL} sessions x {wl.DEPTH} calls, "
           f"round {wl.ROUND_S} s, gaps median {wl.GAP.median * 1e3:.0f} ms; statistic: SCT sum over sessions")
-    print(table(pairs, sims, v))
-    errors = sum(r["errors"] for r in runs)
+    print(table(pairs, sims, v, calibration))
+    errors = sum(r["errors"] for r in runs + calibration)
     result = {"must_show": v, "pairs": [{"order": p["order"], "ratio": p["ratio"]} for p in pairs],
-              "runs": runs, "simulator": {**sims, "corrections": scales,
+              "runs": runs, "calibration_runs": calibration, "simulator": {**sims, "corrections": scales,
                             "fits": {m: dataclasses.asdict(f) for m, f in fits.items()}}, "workload": wl.describe(),
               "calls": len(trace), "outputs_identical": not differing,
               "differing_calls": sorted(map(list, differing)), "failed_calls": errors,
@@ -390,11 +437,12 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = []
     if errors:
-        failures.append(f"{errors} calls failed over {len(runs)} runs (see {args.json}: runs[*].errors)")
+        failures.append(f"{errors} calls failed over {len(runs) + len(calibration)} runs (see {args.json}: "
+                        "runs[*].errors, calibration_runs[*].errors)")
     if differing:
         failures.append(f"{len(differing)} calls returned different text across runs, first {min(differing)}: "
                         "SP must change when a call runs, never what it returns")
-    codes = sorted({r["code"] for r in runs})
+    codes = sorted({r["code"] for r in calibration + runs})
     if len(codes) > 1:
         failures.append(f"the talaria sources changed between runs ({', '.join(codes)}; runs[*].code): "
                         "the pairs compare different code; run again on a quiet checkout")

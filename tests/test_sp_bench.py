@@ -88,3 +88,50 @@ def test_restores_are_taken_at_the_profiles_price_and_thin_parts_are_not_fitted(
             for p, d in ((0.002, 0.0), (0.01, 0.0), (0.04, 0.0), (0.003, 0.002), (0.0, 0.004))]
     f = sp.fit_steps(thin)
     assert (f.prefill, f.decode, f.per_part_s) == pytest.approx((1.3, 1.0, 0.0007), rel=1e-9)
+
+
+def test_the_predictions_are_fitted_on_calibration_runs_made_before_and_apart_from_the_judged_pairs(
+        sp, monkeypatch, tmp_path) -> None:
+    """Issue 38: the live-fitted and live-corrected predictions see the calibration runs' steps and
+    corrections only, and are made before the first pair; a pair's steps never reach them."""
+    from types import SimpleNamespace
+
+    order: list[str] = []
+
+    def live_run(label, is_sp, trace, profile, workdir, log):
+        order.append(label)
+        run = {"label": label, "sp": is_sp, "code": "same", "sct_sum_s": 100.0 if is_sp else 120.0, "errors": 0,
+               "sp_admissions": 5, "sp_parks": 0, "rounds": 3, "round_wall_p50_s": 1.0,
+               "load_average": {"start": 0.5, "end": 0.5}, "cost_scale_mean": {f"m/{label}": 1.0}}
+        result = SimpleNamespace(calls=[SimpleNamespace(session_id="s", index=0, text="same")])
+        return result, run, [sp.Step(label, 0.001, 0.002, 0.004)]  # each step names the run it came from
+
+    def simulate(trace, profile, path, workdir, log, name):
+        order.append(f"simulate {name}")
+        side = {"sct_sum_s": 1.0, "sp_admissions": 1, "sp_parks": 0, "rounds": 1, "round_wall_p50_s": 1.0}
+        return {"sim-on": side, "sim-off": side, "ratio": 1.2}
+
+    seen: dict[str, list] = {}
+
+    def fitted(profile, steps):
+        seen["fit"] = [s.model for s in steps]
+        return profile, {}
+
+    def corrected(profile, runs):
+        seen["corrected"] = [r["label"] for r in runs]
+        return profile, {}
+
+    for name, fake in (("live_run", live_run), ("simulate", simulate), ("fitted", fitted),
+                       ("corrected", corrected), ("environment", lambda log, load: {})):
+        monkeypatch.setattr(sp, name, fake)
+    profile = Path(__file__).resolve().parents[1] / "profiles" / "paper-tp8.toml"
+    code = sp.main(["--json", str(tmp_path / "sp.json"), "--profile", str(profile), "--pairs", "3",
+                    "--workdir", str(tmp_path)])
+    assert code == 0  # every fake pair is 1.2 against a prediction of 1.2
+    assert seen["fit"] == ["fit1-on", "fit2-off"] and seen["corrected"] == ["fit1-on", "fit2-off"]
+    first_pair = order.index("pair1-on")
+    assert order.index("simulate live-fitted") < first_pair and order.index("fit2-off") < first_pair
+    assert [x for x in order if x.startswith("pair")] == ["pair1-on", "pair1-off", "pair2-off", "pair2-on",
+                                                          "pair3-on", "pair3-off"]
+    with pytest.raises(SystemExit):  # one calibration run cannot fit both modes' steps
+        sp.main(["--profile", str(profile), "--fit-runs", "1"])
