@@ -205,10 +205,10 @@ def main() -> int:
                     # every cell is kept as it lands: a grid is an hour or more on a small machine
                     write_json(args.json, {"tolerance": TOLERANCE, "rules": rules, "cells": cells,
                                            "complete": False}, log)
-    report(cells, variants, args.format)
     write_json(args.json, {"tolerance": TOLERANCE, "rules": rules, "cells": cells, "complete": True,
                            "passed": all(c["passed"] for c in cells),
                            **environment(log, load)}, log)
+    report(cells, variants, args.format)
     return 0 if all(c["passed"] for c in cells) else 1
 
 
