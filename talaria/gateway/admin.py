@@ -55,7 +55,8 @@ def admin_routes(gateway: Gateway, read_json) -> list[Route]:
                                                   dump_profile(profile) if profile is not None else None, g.restarts,
                                                   "draining" if draining else g.state, g.last_failure)
         router = gateway.dispatcher.router
-        body = NodeTelemetry(router.clock(), instances, {**router.telemetry(), "peers": gateway.peers.telemetry()})
+        body = NodeTelemetry(router.clock(), instances,
+                             {**gateway.dispatcher.telemetry(), "peers": gateway.peers.telemetry()})
         return JSONResponse(body.to_dict(), headers={NODE_HEADER: gateway.node_id})
 
     async def drain(request: Request) -> JSONResponse:

@@ -33,7 +33,8 @@ from talaria.gateway.output_parser import (
 )
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:

@@ -290,7 +290,8 @@ class Gateway:
         """Routing state for every call that ends; metrics and the session's lease for normal ends."""
         normal = gen.finish_reason is not None and gen.usage is not None and gen.finished_at is not None
         placement: Placement = gen.placement
-        self.dispatcher.finished(placement, gen.usage if normal else None, gen.reply_message, gen.output_ids)
+        ttft = gen.first_token_at - arrival if gen.first_token_at is not None else None
+        self.dispatcher.finished(placement, gen.usage if normal else None, gen.reply_message, gen.output_ids, ttft)
         if normal:
             self.metrics.observe_call(parsed.model, gen.group.name, arrival, gen.first_token_at, gen.finished_at,
                                       gen.usage)

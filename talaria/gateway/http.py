@@ -158,6 +158,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
+OVERLOADED_529 = 529  # Anthropic's status for "overloaded_error": its SDKs and Claude Code retry it
 _SURROGATE = re.compile("[\ud800-\udfff]")  # a str decoded from JSON holds them only unpaired
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # built once: json.loads and json.dumps with options build a decoder or an encoder per call
@@ -226,8 +227,14 @@ def error_handlers() -> dict:
                                                  SERVER_ERROR))
 
     async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        if exc.retry_after_ms is not None:  # read first by the OpenAI and Anthropic SDKs
+            headers["retry-after-ms"] = str(exc.retry_after_ms)
+        if exc.over_capacity:  # Anthropic's clients expect 529 overloaded_error for a server that is overloaded
+            status = OVERLOADED_529 if request.url.path.startswith(MESSAGES_API) else 503
+            return _error_response(request, APIError(status, str(exc), UNAVAILABLE, None, "over_capacity", headers))
         return _error_response(request, APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
-                                                 {"Retry-After": str(exc.retry_after_s)}))
+                                                 headers))
 
     return {APIError: api_error, Overloaded: overloaded, InstanceUnavailable: instance_down,
             InstanceFailed: instance_down, StarletteHTTPException: http_error, Exception: unexpected}

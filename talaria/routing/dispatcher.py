@@ -9,11 +9,14 @@ its conversation extends a recent call's, else a fresh one, so its next call can
 Route and lease events go to the node's event log with instance "router".
 
 Overload (`[router] overload`): under "sessions" (the default) a call whose session was not admitted
-within `session_ttl_s` opens a session, and is admitted only where the sessions already admitted
+within `session_ttl_s` opens a session, and is admitted only in its turn (`AdmissionLine`: while new
+sessions wait for its model, only one that is due or first) and where the sessions already admitted
 there (`SessionLoad`: their calls and the next calls of those in tool gaps) leave its first call
-within the TTFT target; otherwise it is shed with 429 and a Retry-After sized from the
-predicted wait (`SessionShedding` keeps a tenant below its fair share waiting instead). Calls of
-admitted sessions that no instance admits yet are held, and placed oldest first (`HeldCalls`).
+within the TTFT target; otherwise it keeps or takes a place in line and gets 429 with the line's
+promise as Retry-After. Calls of admitted sessions that no instance admits yet are held, and placed
+oldest first (`HeldCalls`). Every poll the head of each line is checked (its promise's error, which
+corrects the next promises), and each new session's first token corrects the load it was admitted
+against (`InstanceLoad.observe_start`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from talaria.routing.continuity import (
     new_session_id,
     token_chain,
 )
+from talaria.routing.admission_line import MAX_PROMISE_S, AdmissionLine, Waiting, promise_times
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.errors import RETRY_AFTER_S, Overloaded
 from talaria.routing.held_calls import MAX_HOLD_S, HeldCall, HeldCalls
@@ -78,6 +82,7 @@ class Dispatcher:
         self.shedding = SessionShedding(clock, config.session_ttl_s, config.max_sessions)
         self.load = SessionLoad(self._price, config.session_ttl_s)
         self.held = HeldCalls(config.max_queued)
+        self.line = AdmissionLine(config.max_waiting)
         self.peers: list[PeerLink] = []
         self._models = {inst.name: inst.models for inst in node.config.instances}
         self._ttft = {inst.name: inst.ttft_s for inst in node.config.instances}
@@ -130,31 +135,45 @@ class Dispatcher:
         gone (a held call is then dropped). A call a peer forwarded (`local`) was admitted there: it
         never opens a session here."""
         self.sync()
-        policy, router = self.config.overload, self.router
+        policy, router, now = self.config.overload, self.router, self.clock()
         admitted = True  # a call of an admitted session (any call but under "sessions")
+        entry: Waiting | None = None  # its place in the admission line, if it has one
         if policy is Overload.SESSIONS and req.session is not None and not local:
             if self.shedding.known(req.session):
-                self.load.arrived(req.session, req.model, req.prompt_tokens, self.clock())
+                self.load.arrived(req.session, req.model, req.prompt_tokens, now)
             else:
                 req, admitted = dataclasses.replace(req, new_session=True), False
+                self.line.expire(now)
+                entry = self.line.get(req.session)
         router.arrived(req)
         if self.held.blocks(req.model, admitted):
             self.pump()  # room may have freed since the last tick: the older calls go first
         if self.held.blocks(req.model, admitted):  # older calls wait for the room it would take: behind them
             decision = RouteDecision(None, Reason.OVERLOAD, overload=policy.value,
                                      wait_s=self.held.ahead_s(req.model, admitted))
+            if not admitted:  # priced all the same: its place in line is predicted from the closest instance
+                priced = router.decide(req, local)
+                decision.cost, decision.wait_s = priced.cost, max(decision.wait_s, priced.wait_s or 0.0)
         else:
             decision = router.decide(req, local)
+        if not admitted and decision.instance is not None and not self.line.may_try(entry, req.model, now):
+            # an instance has room, but sessions ahead in line were promised it: this one waits behind them
+            decision = RouteDecision(None, Reason.OVERLOAD, decision.cost, overload="line", wait_s=0.0)
         if decision.instance is not None:
             router.record(req, decision)
             self._commit(req, decision)
+            if entry is not None:
+                self.line.admitted(entry, now)
         elif not any(v.healthy and req.model in v.models for v in router.views.values()):
             router.record(req, decision)
             names = ", ".join(v.name for v in router.views.values() if req.model in v.models)
             raise InstanceUnavailable(f"no healthy instance serves model {req.model!r} right now "
                                       f"({names or 'none configured'}); retry shortly")
-        elif policy is Overload.QUEUE or (policy is Overload.SESSIONS and self.shedding.waits(req.session, req.tenant)):
+        elif policy is Overload.QUEUE or (policy is Overload.SESSIONS and admitted):
             decision = await self._hold(req, local, admitted, decision, left)
+        elif not admitted:
+            router.record(req, decision)
+            raise self._wait_in_line(req, entry, decision, now)
         else:
             router.record(req, decision)
         if decision.instance is None:
@@ -183,8 +202,7 @@ class Dispatcher:
             self.router.record(req, full)
             return full
         call.waiter = asyncio.get_running_loop().create_future()
-        if self._pumping is None or self._pumping.done():
-            self._pumping = asyncio.get_running_loop().create_task(self._pump_every_poll())
+        self._poll()
         watch = asyncio.ensure_future(left()) if left is not None else None
         try:
             if watch is not None:
@@ -205,15 +223,27 @@ class Dispatcher:
             self.held.remove(call)
 
     async def _pump_every_poll(self) -> None:
-        while len(self.held):
+        while len(self.held) or len(self.line):
             await asyncio.sleep(QUEUE_POLL_S)
             self.pump()
 
+    def _poll(self) -> None:
+        """Make sure held calls and the line are looked at every QUEUE_POLL_S."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller, tests): it calls pump itself
+            return
+        if self._pumping is None or self._pumping.done():
+            self._pumping = loop.create_task(self._pump_every_poll())
+
     def pump(self) -> None:
         """Offer the held calls to the router, oldest first (talaria/routing/held_calls.py); answer
-        those placed and those past their deadline."""
+        those placed and those past their deadline. Then look at the head of each admission line."""
         for call in [c for c in self.held if c.waiter is not None and c.waiter.done()]:
             self.held.remove(call)  # its client left
+        if len(self.line):
+            self.sync()
+            self._check_line()
         if not len(self.held):
             return
         self.sync()
@@ -237,6 +267,83 @@ class Dispatcher:
         self.router.record(call.req, decision)
         self._commit(call.req, decision)  # now, so that the next call asked sees it
         return decision
+
+    # ---- the admission line -------------------------------------------------------------------
+
+    def _wait_in_line(self, req: RouteRequest, entry: Waiting | None, decision: RouteDecision,
+                      now: float) -> Overloaded:
+        """A new session that may not be placed now: its place in line (kept, or taken at the back)
+        and its promise, as the 429 to send; beyond the line's bound a longer wait, or over capacity."""
+        line = self.line
+        if entry is None:
+            entry = line.join(req.session, req.tenant, req.model, req.prompt_tokens, req.max_tokens, now)
+        else:
+            line.returned(entry)
+        if entry is None:  # the line is full: come back once it has moved on
+            last = max((w.promised_at for w in line.order(req.model)), default=now)
+            wait = last - now
+            if wait > MAX_PROMISE_S:
+                line.counts["over_capacity"] += 1
+                return Overloaded(f"over capacity: {line.limit} new sessions wait already (router.max_waiting) and "
+                                  f"the last is not expected in before {MAX_PROMISE_S:.0f} s; retry later",
+                                  math.ceil(MAX_PROMISE_S), over_capacity=True)
+            return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions and "
+                              f"{line.limit} wait already (router.max_waiting): this one has no place in line; "
+                              f"retry in {max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+        self._poll()
+        t = line.promise(entry, self._schedule(req.model, decision, entry, now), now)
+        wait = t - now
+        if wait > MAX_PROMISE_S:  # longer than any client waits for its call: no place worth keeping
+            line.drop(entry)
+            line.counts["over_capacity"] += 1
+            return Overloaded(f"over capacity: every instance serving {req.model!r} is full for new sessions and "
+                              f"this one is not expected in within {MAX_PROMISE_S:.0f} s; retry later",
+                              math.ceil(MAX_PROMISE_S), over_capacity=True)
+        place = line.order(req.model).index(entry) + 1
+        return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions: this one is "
+                          f"number {place} in line, expected in within {wait:.1f} s; retry in "
+                          f"{max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+
+    def _schedule(self, model: str, decision: RouteDecision, entry: Waiting, now: float) -> list[float]:
+        """Predicted admission times of the model's line, in order (AdmissionLine.promise_times), on
+        the instance closest to admitting `entry`'s call (`decision`, the router's answer to it)."""
+        cost = decision.cost
+        order = self.line.order(model)
+        if cost is None:  # nothing priced it (no fresh snapshot): the default wait, then ask again
+            return [now + RETRY_AFTER_S] * len(order)
+        x = cost.prefill_s + cost.c_kv_s  # what an admitted session can hold its first call back by
+        entry.charge_s = min(x, cost.prefill_s + cost.decode_s)
+        excess = decision.wait_s or 0.0
+        if decision.overload == "line" or not excess:
+            excess = 0.0
+        times = promise_times(now, excess, self.load.departures(cost.instance, x, now),
+                              [w.charge_s or entry.charge_s for w in order],
+                              self.load.lifetime_s(cost.prefill_s + cost.decode_s, model), self.line.scale)
+        # work ahead that no admitted session accounts for (the snapshot's queue, a switch): about its own length
+        return [t if t != math.inf else now + max(1.0, excess * self.line.scale) for t in times]
+
+    def _check_line(self) -> None:
+        """Each poll: drop the line's sessions whose clients did not come back, and note the first
+        poll at which an instance would admit the head of each line (its promise's error)."""
+        now = self.clock()
+        self.line.expire(now)
+        for head in self.line.heads():
+            if head.ready_at is not None or self.held.blocks(head.model, False):
+                continue
+            probe = RouteRequest(head.model, None, head.prompt_tokens, head.max_tokens, "", head.tenant, True)
+            if self.router.decide(probe).instance is not None:
+                self.line.ready(head, now)
+
+    def telemetry(self) -> dict:
+        """The router's telemetry, the admission line and what admission has learned."""
+        out = self.router.telemetry()
+        out["line"] = self.line.telemetry(self.clock())
+        out["session_lengths"] = self.load.lengths.telemetry()
+        for name, view in out["views"].items():
+            load = self.router.views[name].load
+            if load is not None:
+                view["ttft_scale"], view["ttft_samples"] = round(load.scale, 3), load.samples
+        return out
 
     # ---- bookkeeping of a placement -----------------------------------------------------------
 
@@ -289,11 +396,15 @@ class Dispatcher:
         return Overloaded(f"{why}; retry in {retry} s", retry)
 
     def finished(self, placement: Placement, usage: Usage | None, reply: Mapping[str, Any] | None,
-                 output_ids: Sequence[int]) -> None:
+                 output_ids: Sequence[int], ttft_s: float | None = None) -> None:
         """The call ended; on a normal finish install the lease and remember the conversation.
-        `reply`: a chat call's answer as the assistant message the client appends to it."""
+        `reply`: a chat call's answer as the assistant message the client appends to it. `ttft_s`:
+        its arrival to its first token; a new session's corrects the load admission counts there."""
         instance, req, now = placement.decision.instance, placement.request, self.clock()
         self.router.finished(instance)
+        cost, view = placement.decision.cost, self.router.views.get(instance)
+        if ttft_s is not None and req.new_session and cost is not None and view is not None and view.load is not None:
+            view.load.observe_start(cost.start_s, ttft_s)
         if usage is None:
             if req.session is not None:
                 self.load.failed(req.session, req.model, now)

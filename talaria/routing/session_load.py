@@ -24,6 +24,17 @@ before its first token, so its predicted start is that prefill plus, over every 
 the lesser of that session's predicted call and that prefill. A long decode in flight then delays
 it by a step's worth, not by its whole length; forty sessions in tool gaps delay it forty times.
 
+Where the predictions were wrong (`InstanceLoad.scale`): each new session's first call was predicted
+to start after its queue and prefill; the first token it measured against that corrects every later
+admission there, as an EWMA of measured over predicted with the cost model's gain (`observe_start`).
+A machine slower under this load than its profile says (other processes, the gateway's own work)
+then admits fewer sessions, one that is faster more.
+
+When admitted sessions leave (`departures`): for the admission line's promises
+(talaria/routing/admission_line.py), each session's expected end, from the calls it has made and the
+session lengths and turn times the router has seen (`SessionLengths`): its expected further calls,
+a turn each, then `quiet_s`.
+
 Seconds come from the router's cost model through an injected `price` (PlacementCosts.work_s).
 Each instance's sessions sit in one `InstanceLoad` the router's view holds (talaria/routing/
 instance_view.py); quiet sessions leave through a heap, lazily. Only ints, floats and hashes: no
@@ -36,12 +47,15 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from talaria.routing.session_lengths import ALPHA, SessionLengths
+
 # price(instance, model, prompt_tokens, reusable_tokens, max_tokens, footprint_tokens) -> seconds or None
 Price = Callable[[str, str, int, int, int, int], "float | None"]
 
 QUIET_FIRST_S = 10.0  # before any gap is seen: the replay caps recorded tool gaps at 10 s (DESIGN.md)
 QUIET_MIN_S = 2.0  # never quiet sooner: the paper's tool gaps are 0.39 s p50, 1.32 s p95 (§2.1)
-GROWTH_ALPHA = 0.2  # weight of the newest turn in a model's mean prompt growth (as the instances' cost EWMA)
+GROWTH_ALPHA = ALPHA  # weight of the newest turn in a model's mean prompt growth (as the instances' cost EWMA)
+SCALE_BOUNDS = (0.5, 4.0)  # measured / predicted start: a few wild calls must not open or shut admission
 
 
 class GapEstimate:
@@ -78,16 +92,28 @@ class GapEstimate:
 class InstanceLoad:
     """The admitted sessions charging one instance: each one's predicted call, and their prefixes."""
 
-    __slots__ = ("kv", "work")
+    __slots__ = ("kv", "samples", "scale", "work")
 
     def __init__(self) -> None:
         self.work: dict[tuple[str, str], float] = {}  # (session, model) -> seconds
         self.kv: dict[str, int] = {}  # model -> KV tokens of their prefixes
+        self.scale = 1.0  # EWMA of measured / predicted start of new sessions' first calls here
+        self.samples = 0  # how many it has seen
 
     def ahead_s(self, prefill_s: float) -> float:
         """How long these sessions' calls hold back a call needing `prefill_s` before its first token:
-        each by the lesser of its own work and that (processor sharing). O(sessions here)."""
-        return sum(min(prefill_s, w) for w in self.work.values())
+        each by the lesser of its own work and that (processor sharing), times `scale`. O(sessions here)."""
+        return self.scale * sum(min(prefill_s, w) for w in self.work.values())
+
+    def observe_start(self, predicted_s: float, measured_s: float) -> None:
+        """A new session's first call was predicted to start (its first token) `predicted_s` after it
+        arrived and did at `measured_s`."""
+        if predicted_s <= 0:
+            return
+        lo, hi = SCALE_BOUNDS
+        ratio = min(hi, max(lo, self.scale * measured_s / predicted_s))  # the prediction had scale in it
+        self.scale = min(hi, max(lo, (1 - ALPHA) * self.scale + ALPHA * ratio))
+        self.samples += 1
 
     @property
     def total_s(self) -> float:
@@ -106,6 +132,8 @@ class _Session:
     done_at: float  # its last call's end
     quiet_at: float  # done_at + the model's quiet_s then
     end_tokens: int = 0  # prompt + reply of its last call: where its next prompt starts
+    calls: int = 1  # calls it has made (the one held or running included)
+    last_arrival: float = 0.0  # its latest call's arrival
     growth: int | None = None  # tokens its last turn added to that (the tool result and the template)
     max_tokens: int = 0  # its last call's
 
@@ -122,6 +150,7 @@ class SessionLoad:
         self._quiet: list[tuple[float, str, str]] = []  # (quiet_at, session, model), stale entries skipped
         self._gaps: dict[str, GapEstimate] = {}
         self._growth: dict[str, float] = {}  # model -> mean tokens a turn adds
+        self.lengths = SessionLengths()  # how many calls sessions make, and how long a turn takes
 
     # ---- what the gateway reports ---------------------------------------------------------------
 
@@ -132,6 +161,8 @@ class SessionLoad:
         if s is None or s.busy:
             return
         self._gaps.setdefault(model, GapEstimate()).sample(max(0.0, now - s.done_at))
+        self.lengths.turn(now - s.last_arrival)
+        s.calls, s.last_arrival = s.calls + 1, now
         if s.end_tokens and prompt_tokens >= s.end_tokens:
             s.growth = prompt_tokens - s.end_tokens
             mean = self._growth.get(model)
@@ -143,7 +174,8 @@ class SessionLoad:
         the prefix it will leave."""
         s = self._sessions.get((session, model))
         if s is None:
-            s = self._sessions[(session, model)] = _Session(session, instance, model, 0.0, 0, True, now, now)
+            s = self._sessions[(session, model)] = _Session(session, instance, model, 0.0, 0, True, now, now,
+                                                            last_arrival=now)
         self._charge(s, instance, work_s, kv_tokens)
         s.busy = True
 
@@ -180,6 +212,7 @@ class SessionLoad:
             if s is not None and not s.busy and s.quiet_at == quiet_at:
                 self._charge(s, None, 0.0, 0)
                 del self._sessions[(session, model)]
+                self.lengths.ended(s.calls)
 
     def on(self, instance: str) -> InstanceLoad:
         """The sessions charging `instance` (the same object for as long as this lives)."""
@@ -187,6 +220,31 @@ class SessionLoad:
         if load is None:
             load = self._on[instance] = InstanceLoad()
         return load
+
+    def departures(self, instance: str, prefill_s: float, now: float) -> list[tuple[float, float]]:
+        """(when, how much less it holds back a call needing `prefill_s`), for every session charging
+        `instance`, soonest first: when each is expected to go quiet, from its calls so far and the
+        session lengths seen (a turn a further call, then its model's quiet_s)."""
+        out = []
+        lengths, scale = self.lengths, self.on(instance).scale
+        for s in self._sessions.values():
+            if s.instance != instance:
+                continue
+            turn = lengths.turn_s if lengths.turn_s is not None else s.work_s + QUIET_MIN_S
+            more = lengths.remaining_calls(s.calls) * turn
+            # resting: quiet when its last call would have left it quiet, that many turns later; busy: after
+            # its call's predicted work, the turns, and its model's quiet_s
+            end = s.quiet_at + more if not s.busy else now + s.work_s + more + self.quiet_s(s.model)
+            out.append((max(now, end), scale * min(prefill_s, s.work_s)))
+        out.sort()
+        return out
+
+    def lifetime_s(self, work_s: float, model: str) -> float:
+        """A session admitted now is expected to charge its instance this long: its calls, a turn
+        each (its first `work_s`), then its model's quiet_s."""
+        lengths = self.lengths
+        turn = lengths.turn_s if lengths.turn_s is not None else work_s + QUIET_MIN_S
+        return work_s + lengths.remaining_calls(1) * turn + self.quiet_s(model)
 
     def quiet_s(self, model: str) -> float:
         gaps = self._gaps.get(model)

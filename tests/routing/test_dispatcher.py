@@ -141,7 +141,7 @@ def test_a_failed_call_releases_its_slot_without_a_lease():
     assert d.router.leases.get("s9", MODEL) is None
 
 
-def test_sessions_overload_holds_admitted_sessions_and_sheds_new_ones_fairly():
+def test_sessions_overload_holds_admitted_sessions_and_lines_up_new_ones_fairly():
     clock = Clock()
     group = FakeEchoGroup("hot0")
     ready(group)
@@ -157,7 +157,7 @@ def test_sessions_overload_holds_admitted_sessions_and_sheds_new_ones_fairly():
     ready(group, version=next(versions), waiting=10_000)  # now full: no call is admitted
 
     async def held(req: RouteRequest) -> bool:
-        """Whether the call waits for room (rather than being shed), then is placed once there is some."""
+        """Whether the call waits for room (rather than being refused), then is placed once there is some."""
         task = asyncio.create_task(d.place(req, (), False, True, tuple(range(40))))
         await asyncio.sleep(0.12)
         if task.done():
@@ -169,13 +169,13 @@ def test_sessions_overload_holds_admitted_sessions_and_sheds_new_ones_fairly():
         ready(group, version=next(versions), waiting=10_000)
         return True
 
-    with pytest.raises(Overloaded):  # team-a holds every active session: its new one is shed
-        place(d, call("a-new", "team-a"))
     assert asyncio.run(held(call("a1", "team-a")))  # a session already admitted waits for room
-    assert asyncio.run(held(call("b-new", "team-b")))  # team-b has no share yet: its new session is kept
-    assert d.shedding.waits("a0", "team-a") and not d.shedding.waits("a-other", "team-a")
-    clock.now += 10_000  # past session_ttl_s: forgotten
-    assert not d.shedding.waits("a0", "team-a")
+    for session, tenant in (("a-new1", "team-a"), ("a-new2", "team-a"), ("a-new3", "team-a"), ("b-new", "team-b")):
+        with pytest.raises(Overloaded, match="in line"):  # new sessions are never held: they take a place in line
+            place(d, call(session, tenant))
+    # team-b's one new session goes ahead of team-a's second and third: one of each tenant per round
+    assert [w.session for w in d.line.order(MODEL)] == ["a-new1", "b-new", "a-new2", "a-new3"]
+    assert not asyncio.run(held(call("a-new4", "team-a")))  # and a new session is not held, whatever its tenant
 
 
 # ---- admission of new sessions against the admitted ones' load, and held calls oldest first --------
@@ -218,7 +218,12 @@ def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_call
     assert d.router.views["hot0"].load.total_s == pytest.approx(4 * 1.501)  # 1,501 tokens past each prefix
     with pytest.raises(Overloaded, match="at capacity for new sessions") as shed:
         place(d, call("newcomer", 1000))
-    assert shed.value.retry_after_s == 2  # 4 x 1 s of theirs (its own prefill is not held against it), 2 s allowed
+    # 4 x 1 s of theirs (its own prefill is not held against it), 2 s allowed: it waits for two to leave. With
+    # no session seen ending, each is expected to make as many calls again as it has (2), a turn (1.5 s) each,
+    # and then go quiet as it would now (srtt + 4 rttvar of the gaps seen when it rested: 4.5, 3.75, 3.19 and
+    # 2.77 s): the second to leave at 51.5 + 3 + 3.188, 5.188 s from now
+    assert shed.value.retry_after_s == 6 and shed.value.retry_after_ms == 5188
+    assert [w.session for w in d.line.order(MODEL)] == ["newcomer"]
     assert place(d, call("s0", 3108)).group is group  # an admitted session is not held for the load
     clock.now += 10.0  # they all went quiet: nothing ahead, and the newcomer gets in
     fresh()

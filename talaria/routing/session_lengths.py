@@ -1,0 +1,61 @@
+"""How long agent sessions last: the calls a session makes and the time a turn takes, learned from
+the sessions the router has seen end. What the admission line predicts an admitted session's
+remaining work from (talaria/routing/admission_line.py), since a client never says how many turns
+it has left.
+
+- Lengths: the call counts of the last KEEP sessions that went quiet (talaria/routing/session_load.py).
+  A session that has made `done` calls is expected to make `E[L - done | L >= done]` more over those
+  (0 when every session seen ended there). Before any session has ended, or past the longest seen,
+  Lindy's rule: a session is expected to last as long again as it has (`done` more calls), the
+  estimate that assumes least about the distribution.
+- Turns: a session's call-to-call time (its call's run and its tool gap), smoothed with the
+  cost model's EWMA gain.
+
+Only ints and floats; the caller's clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+KEEP = 512  # sessions whose lengths are kept: recent enough to follow a changing workload
+ALPHA = 0.2  # weight of the newest turn (the instances' cost EWMA's gain, session_load.GROWTH_ALPHA)
+
+
+class SessionLengths:
+    def __init__(self, keep: int = KEEP) -> None:
+        self._ended: deque[int] = deque(maxlen=keep)
+        self._counts: Counter[int] = Counter()  # the same lengths, counted: remaining_calls reads this
+        self.turn_s: float | None = None  # EWMA of a session's call-to-call time; None before a second call
+
+    def ended(self, calls: int) -> None:
+        """A session went quiet after `calls` calls."""
+        if len(self._ended) == self._ended.maxlen:
+            old = self._ended[0]
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+        self._ended.append(calls)
+        self._counts[calls] += 1
+
+    def turn(self, seconds: float) -> None:
+        """A session's next call arrived `seconds` after its previous one."""
+        self.turn_s = seconds if self.turn_s is None else (1 - ALPHA) * self.turn_s + ALPHA * seconds
+
+    def remaining_calls(self, done: int) -> float:
+        """Calls a session that has made `done` is expected to make after them."""
+        n = more = 0
+        for length, count in self._counts.items():  # at most as many distinct lengths as sessions kept
+            if length >= done:
+                n += count
+                more += (length - done) * count
+        return more / n if n else float(done)
+
+    def telemetry(self) -> dict:
+        ended = sorted(self._ended)
+        return {"sessions_seen": len(ended), "mean_calls": sum(ended) / len(ended) if ended else None,
+                "p95_calls": ended[int(0.95 * (len(ended) - 1))] if ended else None,
+                "turn_s": None if self.turn_s is None else round(self.turn_s, 3)}
+
+    def __len__(self) -> int:
+        return len(self._ended)

@@ -1,0 +1,76 @@
+"""The admission line over HTTP: a new session the node cannot admit gets 429 with its promise in
+`Retry-After` (whole seconds) and `retry-after-ms` (exact) on every API, in each API's error shape;
+past the line's bound a longer wait; over capacity 503, or 529 `overloaded_error` under
+/v1/messages, where Anthropic's clients expect it (docs/api.md, "Overload")."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from starlette.testclient import TestClient
+
+from talaria.config.schema import RouterConfig, RouterPolicy
+from talaria.gateway.gateway import create_app
+from talaria.routing import dispatcher as dispatcher_module
+from tests.routing.test_dispatcher import ready
+
+from .fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor
+
+ASK = [{"role": "user", "content": "hi"}]
+CALLS = {  # path -> a body opening session `s`
+    "/v1/chat/completions": lambda s: {"model": MODEL, "messages": ASK, "max_tokens": 4, "session_id": s},
+    "/v1/messages": lambda s: {"model": MODEL, "messages": ASK, "max_tokens": 4, "metadata": {"user_id": f"u_session_{s}"}},
+    "/v1/responses": lambda s: {"model": MODEL, "input": "hi", "max_output_tokens": 16, "prompt_cache_key": s},
+}
+
+
+def full_node(**router) -> tuple[FakeEchoSupervisor, object]:
+    """A node whose one instance has 100 calls waiting: new sessions wait past the 2 s target."""
+    group = FakeEchoGroup("hot0")
+    ready(group, waiting=100)
+    sup = FakeEchoSupervisor([group], router=RouterConfig(policy=RouterPolicy.FULL, **router))
+    ids = iter(f"id{i}" for i in range(1_000_000))
+    app = create_app(sup, clock=lambda: 50.0, wall_clock=lambda: 1_700_000_000.5, new_id=lambda: next(ids))
+    return sup, TestClient(app, raise_server_exceptions=False, client=("127.0.0.1", 50000))  # loopback: telemetry
+
+
+def promise(resp) -> tuple[int, int]:
+    seconds, ms = int(resp.headers["retry-after"]), int(resp.headers["retry-after-ms"])
+    assert seconds == max(1, math.ceil(ms / 1000))
+    return seconds, ms
+
+
+@pytest.mark.parametrize("path", sorted(CALLS))
+def test_a_new_session_gets_its_place_in_line_as_a_429_in_the_shape_of_its_api(path):
+    sup, client = full_node()
+    resp = client.post(path, json=CALLS[path]("s1"))
+    assert resp.status_code == 429
+    body = resp.json()
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    else:
+        assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "rate_limit_exceeded"
+    assert "number 1 in line" in str(body)
+    first = promise(resp)
+    again = client.post(path, json=CALLS[path]("s1"))  # it comes back (early): the same place
+    assert again.status_code == 429 and "number 1 in line" in str(again.json())
+    assert promise(client.post(path, json=CALLS[path]("s2")))[1] >= first[1]  # the next one waits behind it
+
+
+def test_beyond_the_bound_a_longer_wait_and_over_capacity_is_503_or_529(monkeypatch):
+    sup, client = full_node(max_waiting=1)
+    chat = "/v1/chat/completions"
+    first = promise(client.post(chat, json=CALLS[chat]("s1")))
+    resp = client.post(chat, json=CALLS[chat]("s2"))
+    assert resp.status_code == 429 and "no place in line" in resp.json()["error"]["message"]
+    assert promise(resp)[1] >= first[1]
+    monkeypatch.setattr(dispatcher_module, "MAX_PROMISE_S", 0.001)  # every wait is now past what clients wait
+    resp = client.post(chat, json=CALLS[chat]("s3"))
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "over_capacity"
+    resp = client.post("/v1/messages", json=CALLS["/v1/messages"]("s4"))
+    assert resp.status_code == 529 and resp.json()["error"]["type"] == "overloaded_error"
+    assert int(resp.headers["retry-after"]) > 0
+    line = client.get("/talaria/telemetry").json()["router"]["line"]
+    assert line["waiting"] == 1 and line["counts"]["full"] == 3 and line["counts"]["over_capacity"] == 2
+    assert [w["session"] for w in line["models"][MODEL]] == ["s1"]

@@ -1,0 +1,214 @@
+"""`talaria.routing.admission_line`: the line of new sessions, its order and fairness, its bound,
+and the Retry-After it promises against when admission actually happens, on an injected clock.
+
+The dispatcher tests drive the gateway's `Dispatcher` over the echo fake with the router tests' toy
+profile (prefill 1 ms a token, decode's per-sequence cost 0): a call's predicted work is its prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from talaria.contracts.call import InstanceReady, Usage
+from talaria.routing.admission_line import CONTROL_INTERVAL_S, GRACE_S, AdmissionLine, promise_times
+from talaria.routing.decision import RouteRequest
+from talaria.routing.errors import Overloaded
+from talaria.routing.session_lengths import SessionLengths
+from tests.gateway.fakes import MODEL, FakeEchoGroup
+from tests.routing.test_dispatcher import PROFILE_ECHO, Clock, dispatcher, place
+from tests.routing.test_router import snapshot
+
+# ---- the pure parts ------------------------------------------------------------------------------
+
+
+def test_promises_walk_the_departures_and_each_admission_adds_its_charge():
+    # 2 s past the bound now; four sessions leave at 10, 11, 12, 13, each freeing 1 s of queue
+    departures = [(13.0, 1.0), (10.0, 1.0), (12.0, 1.0), (11.0, 1.0)]
+    times = promise_times(0.0, 2.0, departures, [1.0, 1.0, 0.5, 1.0], lifetime_s=100.0)
+    # the head after two leave; each later one after one more (its predecessor took 1 s back); the
+    # fourth once the first admitted leaves again, `lifetime_s` after it came in
+    assert times == [11.0, 12.0, 13.0, 111.0]
+    # nothing past the bound: the head now; those admitted leave `lifetime_s` later and make room again
+    assert promise_times(5.0, 0.0, [], [1.0, 1.0], lifetime_s=30.0) == [5.0, 35.0]
+    assert promise_times(0.0, 3.0, [(1.0, 1.0)], [1.0], 30.0) == [math.inf]  # no departure can make room
+    assert promise_times(0.0, 2.0, departures, [1.0], 100.0, scale=1.5) == [16.5]  # every wait stretched
+
+
+def test_session_lengths_expect_the_calls_left_from_the_sessions_seen_ending():
+    lengths = SessionLengths()
+    assert lengths.remaining_calls(3) == 3.0  # none seen: as many again (Lindy)
+    for n in (2, 4, 6, 6):
+        lengths.ended(n)
+    assert lengths.remaining_calls(1) == pytest.approx((1 + 3 + 5 + 5) / 4)
+    assert lengths.remaining_calls(4) == pytest.approx((0 + 2 + 2) / 3)  # those that made 4 or more
+    assert lengths.remaining_calls(7) == 7.0  # longer than any seen
+    lengths.turn(2.0)
+    lengths.turn(4.0)
+    assert lengths.turn_s == pytest.approx(0.8 * 2.0 + 0.2 * 4.0)
+
+
+def test_the_line_is_in_arrival_order_one_session_of_each_tenant_per_round():
+    line = AdmissionLine(limit=6)
+    for i in range(3):
+        line.join(f"a{i}", "team-a", MODEL, 100, 4, float(i))
+    line.join("b0", "team-b", MODEL, 100, 4, 3.0)
+    line.join("b1", "team-b", MODEL, 100, 4, 4.0)
+    assert [w.session for w in line.order(MODEL)] == ["a0", "b0", "a1", "b1", "a2"]
+    line.admitted(line.get("a0"), 5.0)
+    line.admitted(line.get("b0"), 5.0)
+    line.admitted(line.get("a1"), 5.0)  # the line is serving round 1 now
+    line.join("c0", "team-c", MODEL, 100, 4, 6.0)  # a tenant new to the line is not put before round 1
+    line.join("a3", "team-a", MODEL, 100, 4, 7.0)
+    assert [w.session for w in line.order(MODEL)] == ["b1", "c0", "a2", "a3"]
+    assert line.join("x", "team-x", MODEL, 100, 4, 8.0) is not None
+    assert line.join("y", "team-y", MODEL, 100, 4, 8.0) is not None
+    assert line.join("z", "team-z", MODEL, 100, 4, 8.0) is None  # bounded: 6 wait
+    assert line.counts["full"] == 1
+
+
+def test_only_the_due_or_the_first_may_ask_and_a_client_not_back_loses_its_place():
+    line = AdmissionLine(limit=10)
+    first = line.join("s1", "t", MODEL, 100, 4, 0.0)
+    second = line.join("s2", "t", MODEL, 100, 4, 0.0)
+    line.promise(first, [10.0, 20.0], 0.0)
+    line.promise(second, [10.0, 20.0], 0.0)
+    assert not line.may_try(None, MODEL, 15.0)  # a newcomer waits while anyone does
+    assert line.may_try(None, "other-model", 15.0)  # lines are per model
+    assert line.may_try(first, MODEL, 1.0)  # first in line: it may ask early (room may have come early)
+    assert not line.may_try(second, MODEL, 20.0 - 2 * CONTROL_INTERVAL_S)
+    assert line.may_try(second, MODEL, 20.0 - CONTROL_INTERVAL_S)  # due, within one control interval
+    # a promise is never before one already made to a session ahead of it
+    third = line.join("s3", "t", MODEL, 100, 4, 1.0)
+    assert line.promise(third, [5.0, 6.0, 7.0], 1.0) == 20.0
+    assert line.expire(10.0 + GRACE_S) == []
+    assert [w.session for w in line.expire(10.0 + GRACE_S + 0.01)] == ["s1"]
+    assert line.counts["expired"] == 1
+
+
+def test_a_promise_found_late_or_early_corrects_the_next_ones():
+    line = AdmissionLine(limit=10)
+    w = line.join("s1", "t", MODEL, 100, 4, 0.0)
+    line.promise(w, [10.0], 0.0)
+    line.ready(w, 20.0)  # the wait was twice the promise: every later wait is stretched towards 2x
+    assert line.scale == pytest.approx(0.8 + 0.2 * 2.0)
+    assert line.telemetry(20.0)["promise_error_s"]["p50"] == pytest.approx(10.0)
+
+
+# ---- the dispatcher keeps the line -----------------------------------------------------------------
+
+
+class Node:
+    """One echo instance (TTFT target 2 s) under the injected clock, sessions served by hand."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.group = FakeEchoGroup("hot0")
+        self.versions = iter(range(1, 10_000))
+        self.fresh()
+        self.d, self.node = dispatcher(self.group, clock=self.clock, lease_s=0.0, admit_rounds=0.2)
+
+    def fresh(self) -> None:
+        """A snapshot taken now: an idle instance (the load is the admitted sessions')."""
+        self.group.ready = InstanceReady(self.group.name, (MODEL,), 100, 0.1, profile=PROFILE_ECHO)
+        self.group.stats = dataclasses.replace(snapshot(self.group.name, active=MODEL, version=next(self.versions)),
+                                               time=self.clock.now)
+
+    def call(self, session: str, prompt: int, tenant: str = "default") -> RouteRequest:
+        return RouteRequest(MODEL, session, prompt, 4, f"{session}@{prompt}", tenant)
+
+    def serve(self, session: str, prompt: int) -> None:
+        """The session's call is placed and finishes at once."""
+        self.fresh()
+        self.d.finished(place(self.d, self.call(session, prompt)), Usage(prompt, 4, 0), None, ())
+
+    def ask(self, session: str, prompt: int = 1000, tenant: str = "default") -> float | None:
+        """A new session's first call: None when it is placed (and left running), else the promise it
+        was given (now + retry-after-ms)."""
+        self.fresh()
+        try:
+            place(self.d, self.call(session, prompt, tenant))
+            return None
+        except Overloaded as e:
+            assert e.retry_after_s == max(1, math.ceil(e.retry_after_ms / 1000))
+            return self.clock.now + e.retry_after_ms / 1000
+
+    def at(self, t: float) -> None:
+        self.clock.now = t
+        self.fresh()
+        self.d.sync()
+        self.d.pump()  # a control interval: quiet sessions leave, the line's heads are checked
+
+
+def two_call_sessions(n: Node, names: list[str], stagger_s: float) -> None:
+    """Sessions of two calls (100 tokens, then 1,604: the tool result added 1,500), 1.5 s apart, the
+    sessions `stagger_s` apart; each then charges its next call, 1,501 tokens past its prefix (1.501 s)."""
+    start = n.clock.now
+    for i, s in enumerate(names):
+        n.clock.now = start + i * stagger_s
+        n.serve(s, 100)
+    for i, s in enumerate(names):  # every tool gap 1.5 s
+        n.clock.now = start + 1.5 + i * stagger_s
+        n.serve(s, 1604)
+
+
+def test_retry_after_is_kept_the_client_that_returns_then_is_admitted_and_not_a_moment_before():
+    """Sessions seen so far made two calls each: four admitted sessions in their tool gaps, with two
+    calls made, are expected to make none more and leave when they go quiet. A new session's 1 s
+    prefill would wait 4 x 1 s behind them, 2 s past the 2 s target: it is promised the second
+    departure; the next newcomer, behind it, the third (the first's own call takes 1 s back), the
+    third the fourth. Each client that comes back when told is admitted then, within one control
+    interval, and not one interval before; a newcomer that finds room meanwhile waits behind them."""
+    n = Node()
+    two_call_sessions(n, ["w0", "w1", "w2", "w3"], 0.0)  # sessions seen ending: two calls each
+    n.at(n.clock.now + 30.0)
+    assert len(n.d.load.lengths) == 4 and n.d.load.lengths.remaining_calls(2) == 0.0
+    two_call_sessions(n, ["s0", "s1", "s2", "s3"], 0.3)
+    quiet = sorted(n.d.load._sessions[(s, MODEL)].quiet_at for s in ("s0", "s1", "s2", "s3"))
+    assert len(quiet) == 4 and quiet[0] < quiet[1] < quiet[2] < quiet[3]
+    promised = [n.ask("new0"), n.ask("new1"), n.ask("new2")]
+    assert promised == pytest.approx(quiet[1:], abs=1e-3)
+    assert [w.session for w in n.d.line.order(MODEL)] == ["new0", "new1", "new2"]
+    for i, t in enumerate(promised):
+        n.at(t - 2 * CONTROL_INTERVAL_S)
+        assert n.ask(f"new{i}") is not None  # too early: no room yet, and it keeps its place
+        assert [w.session for w in n.d.line.order(MODEL)][0] == f"new{i}"
+        n.at(t)
+        assert n.ask("latecomer") is not None  # room, but promised to the line: a later arrival waits
+        assert n.ask(f"new{i}") is None  # back when told: admitted
+    line = n.d.line.telemetry(n.clock.now)
+    assert line["counts"]["admitted"] == 3 and line["promise_error_s"]["p95"] <= CONTROL_INTERVAL_S
+    assert [w.session for w in n.d.line.order(MODEL)] == ["latecomer"]
+
+
+def test_a_promise_off_by_seconds_is_measured_and_corrects_the_next_ones():
+    """Sessions seen so far made two calls each. Three admitted sessions predicted to be done call
+    again (3.1 s of work each) before the head of the line comes back: it is refused and told a new
+    time. Having made three calls, more than any session seen, each is expected (Lindy) to make three
+    more; but they end after this one, 6 s in: the first control interval at which an instance would
+    admit the head is seconds before its promise, measured as the promise's error, and the line's
+    scale shrinks, so later promises are shorter than the bare prediction."""
+    n = Node()
+    two_call_sessions(n, ["w0", "w1"], 0.0)
+    n.at(n.clock.now + 30.0)
+    two_call_sessions(n, ["s0", "s1", "s2", "s3"], 0.0)
+    t = n.ask("new0")
+    t0 = n.clock.now
+    for s in ("s0", "s1", "s2"):  # a session predicted to be done calls again: it stays
+        n.d.load.arrived(s, MODEL, 3105, t0)
+        n.d.load.placed(s, MODEL, "hot0", 3.105, 3108, t0)
+    n.at(t)
+    p = n.ask("new0")
+    head = n.d.line.get("new0")
+    assert p > t + 2.0 and head.returns == 1 and head.ready_at is None
+    for s in ("s0", "s1", "s2"):
+        n.d.load.completed(s, MODEL, "hot0", 3105, 4, 4, t0 + 6.0)
+    while head.ready_at is None and n.clock.now < p + GRACE_S:
+        n.at(n.clock.now + CONTROL_INTERVAL_S)
+    assert head.ready_at is not None and head.ready_at < p - 1.0
+    error = n.d.telemetry()["line"]["promise_error_s"]
+    assert error["samples"] == 1 and error["mean_signed"] == pytest.approx(head.ready_at - head.promised_at)
+    assert n.d.line.scale < 1.0
+    assert n.ask("new0") is None  # it comes back early, first in line, and there is room: admitted
