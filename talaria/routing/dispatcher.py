@@ -173,6 +173,8 @@ class Dispatcher:
             decision = await self._hold(req, local, admitted, decision, left)
         elif not admitted:
             router.record(req, decision)
+            if inferred and chain:  # a client without a session id is known again by its conversation
+                self.continuity.remember(req.model, req.session, chain[-1:])
             raise self._wait_in_line(req, entry, decision, now)
         else:
             router.record(req, decision)

@@ -74,3 +74,16 @@ def test_beyond_the_bound_a_longer_wait_and_over_capacity_is_503_or_529(monkeypa
     line = client.get("/talaria/telemetry").json()["router"]["line"]
     assert line["waiting"] == 1 and line["counts"]["full"] == 3 and line["counts"]["over_capacity"] == 2
     assert [w["session"] for w in line["models"][MODEL]] == ["s1"]
+
+
+def test_a_client_without_a_session_id_keeps_its_place_by_its_conversation():
+    sup, client = full_node()
+    chat = "/v1/chat/completions"
+
+    def ask(task: str):
+        return client.post(chat, json={"model": MODEL, "max_tokens": 4,
+                                       "messages": [{"role": "system", "content": "You are an agent."},
+                                                    {"role": "user", "content": task}]})
+    assert "number 1 in line" in ask("fix the test").json()["error"]["message"]
+    assert "number 2 in line" in ask("write the docs").json()["error"]["message"]
+    assert "number 1 in line" in ask("fix the test").json()["error"]["message"]  # the same conversation again
