@@ -1,7 +1,7 @@
 """Predictive parity: the simulator, given only a measured CPU profile, against a live CPU run.
 
     python bench/parity.py [--config PATH] [--instance NAME] [--profile PATH] [--sessions N]
-                           [--max-prompt-tokens N] [--seed S] [--json PATH]
+                           [--max-prompt-tokens N] [--seed S] [--json PATH] [--no-gate]
 
 1. **Profile.** `talaria profile --config C --instance I` measures the instance on this machine by
    microbenchmarks (prefill, decode, switch paths, copy bandwidth), unless `--profile` names one.
@@ -17,9 +17,10 @@
 `sct_error` is the mean over sessions of |SCT_sim - SCT_live| / SCT_live; the table also gives the
 relative error of the SCT sum, p50 and p95. The target is `sct_error <= 0.25`. The live instance
 measures its own start-up profile (or loads the cached one) and corrects it with measured step
-times; the simulator has only the profile file. Exit status is 0 whether or not the target is met
-(it is a benchmark); failed live calls exit 1. Progress goes to stderr, the table to stdout,
-everything to the JSON file (default bench/results/parity.json).
+times; the simulator has only the profile file. Exits 1 when the target is missed (`--no-gate`: exit
+0, to explore) and, whatever `--no-gate` says, when a live call failed or the simulation did not
+finish every session. Progress goes to stderr, the table to stdout, everything to the JSON file
+(default bench/results/parity.json).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from pathlib import Path
 
 from report import (  # bench/report.py, beside this script
     ProgressLog,
+    add_gate_flag,
     environment,
+    gate,
     render,
     write_json,
 )
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=1536, help="scale the trace to this context")
     ap.add_argument("--seed", type=int, default=0, help="trace seed")
     ap.add_argument("--json", type=Path, default=Path("bench/results/parity.json"), help="where to write results")
+    add_gate_flag(ap)
     args = ap.parse_args(argv)
     log = ProgressLog()
     load_start = os.getloadavg()[0]
@@ -144,15 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     m = compare(live, sim)
     print(table(m))
     met = m["sct_error"] <= TARGET
-    print(f"sct_error {m['sct_error']:.1%} {'<=' if met else '>'} target {TARGET:.0%}"
-          f"{'' if met else ' (target missed)'}")
     result = {**m, "target": TARGET, "met": met, "sim_run": sim_info,
               "config": {"config": str(args.config), "instance": args.instance, "sessions": args.sessions,
                          "calls": len(trace), "max_prompt_tokens": args.max_prompt_tokens, "seed": args.seed,
                          "profile": str(args.profile) if args.profile else "measured by talaria profile"},
               "profile_toml": profile_text, **environment(log, load_start)}
     write_json(args.json, result, log)
-    return 0
+    return gate([] if met else [f"sct_error {m['sct_error']:.1%} > {TARGET:.0%}"], [], args.no_gate)
 
 
 if __name__ == "__main__":

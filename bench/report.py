@@ -1,7 +1,8 @@
-"""What every benchmark prints and records about itself: the machine, and its table."""
+"""What every benchmark prints and records about itself: the machine, its table, and its verdict."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -65,3 +66,22 @@ def write_json(path: Path, result: dict, log: ProgressLog) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     log(f"wrote {path}")
+
+
+def add_gate_flag(ap: argparse.ArgumentParser) -> None:
+    """The `--no-gate` flag of a benchmark with targets (see `gate`)."""
+    ap.add_argument("--no-gate", action="store_true",
+                    help="exit 0 when a target is missed, to explore; a wrong result still exits 1")
+
+
+def gate(missed: list[str], wrong: list[str], no_gate: bool) -> int:
+    """A benchmark's exit status, its verdict printed on stdout: 1 when a target was missed (unless
+    --no-gate: exploring) or when a result was wrong (a greedy disagreement with the reference, a
+    failed call: a wrong result is never a matter of speed, so --no-gate does not excuse it)."""
+    for what in wrong:
+        print(f"FAILED: {what}")
+    if missed:
+        print(f"targets missed: {'; '.join(missed)}" + (" (--no-gate: not failing for them)" if no_gate else ""))
+    else:
+        print("all targets met")
+    return 1 if wrong or (missed and not no_gate) else 0

@@ -1,7 +1,7 @@
 """Model-switch latency and HKVR restore bandwidth, against copy ceilings measured in the same run.
 
     python bench/switch.py [--device cpu|cuda] [--json PATH] [--runs N] [--threads T]
-                           [--chunk-mib M] [--restore-mib M] [--tiny] [--formats]
+                           [--chunk-mib M] [--restore-mib M] [--tiny] [--formats] [--no-gate]
 
 Two synthetic Llama models (float32, a few hundred MiB each) share one cold instance, driven
 in-process at TP=1 with the code a worker runs. Per run it measures:
@@ -26,8 +26,11 @@ switch records. A packed image must shrink both alike. ``--formats`` runs this p
 every step runs, the figures mean nothing.
 
 Machines are noisy, so rates are compared as fractions of a ceiling measured in the same run, and
-the median over ``--runs`` runs is reported. Progress goes to stderr, the tables to stdout,
-everything (with every run's switch records) to the JSON file.
+the median over ``--runs`` runs is reported. The target is ``restore_fraction`` >= 0.7 (the restore
+rate over the ceiling copy's); the script exits 1 when it is missed, except with ``--no-gate`` (to
+explore) or ``--tiny`` (whose figures mean nothing), and always when a switch took another path than
+the one it measures. Progress goes to stderr, the tables to stdout, everything (with every run's
+switch records) to the JSON file.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 import torch
 from report import (  # bench/report.py, beside this script
     ProgressLog,
+    add_gate_flag,
     environment,
+    gate,
     render,
     write_json,
 )
@@ -417,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy models and copies: a smoke run, the figures mean "
                     "nothing (overrides --chunk-mib and --restore-mib)")
     ap.add_argument("--formats", action="store_true", help="only the switch bytes per checkpoint format")
+    add_gate_flag(ap)
     args = ap.parse_args(argv)
     if args.json is None:
         args.json = Path("bench/results/switch_formats.json" if args.formats else "bench/results/switch.json")
@@ -488,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(medians of {args.runs} runs; a fraction is a rate / the ceiling copy of the same run; "
           f"target restore_fraction >= {TARGETS['restore_fraction']})")
     write_json(args.json, result, log)
-    return 0
+    missed = [f"{k} {medians[k]:.3f} < {v}" for k, v in TARGETS.items() if medians[k] < v]
+    return gate(missed, [], args.no_gate or args.tiny)
 
 
 if __name__ == "__main__":
