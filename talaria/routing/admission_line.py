@@ -18,6 +18,11 @@ agent harnesses back off on `Retry-After`). What the line keeps:
   session_load.py: calls left from the session lengths the router has seen, a turn each, then quiet)
   free what they hold back a new call by; each session ahead in the line, once in, adds its own.
   Rounded up to whole seconds in `Retry-After`, exact in `retry-after-ms`.
+- **Held when near.** A session whose turn is at most `hold_s` away (`[router] line_hold_s`) when it
+  asks is not sent away: its call is held at the gateway and placed, in line order, at the first
+  control interval at which it is due (or first) and an instance admits it; if that has not happened
+  GRACE_S after its promise, it gets its 429 with a new promise after all. A harness that caps its
+  backoff (the patient workload's 30 s) then comes back once within reach and is let in on time.
 - **Bounded.** At most `limit` sessions wait. Beyond that a newcomer is not placed in line: a 429
   says so, with the wait until the line's last promise (the line will have moved by then); or, when
   that is past MAX_PROMISE_S, a 503 "over capacity".
@@ -35,7 +40,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from talaria.routing.session_lengths import ALPHA
 
@@ -64,6 +70,8 @@ class Waiting:
     promised_from: float = 0.0  # when that promise was made
     returns: int = 0  # times its client came back and was told to wait again
     ready_at: float | None = None  # the first control interval at which an instance would admit it
+    held: Any = field(default=None)  # while its client waits at the gateway: (its call, its future)
+    hold_until: float = 0.0  # then: when it is sent its 429 after all
 
     @property
     def key(self) -> tuple[int, int]:
@@ -97,8 +105,9 @@ def promise_times(now: float, excess_s: float, departures: list[tuple[float, flo
 class AdmissionLine:
     """Per model, the new sessions waiting to be admitted; the caller prices and places them."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, hold_s: float = 0.0) -> None:
         self.limit = limit
+        self.hold_s = hold_s
         self.scale = 1.0  # EWMA of actual / promised wait: applied to every promise
         self._by_session: dict[str, Waiting] = {}
         self._seq = 0
@@ -175,7 +184,7 @@ class AdmissionLine:
 
     def expire(self, now: float) -> list[Waiting]:
         """Sessions whose clients did not come back within GRACE_S of their promise lose their place."""
-        gone = [w for w in self._by_session.values() if w.promised_at + GRACE_S < now]
+        gone = [w for w in self._by_session.values() if w.promised_at + GRACE_S < now and w.held is None]
         for w in gone:
             self._drop(w)
         self.counts["expired"] += len(gone)
@@ -198,6 +207,9 @@ class AdmissionLine:
 
     def __len__(self) -> int:
         return len(self._by_session)
+
+    def __iter__(self):
+        return iter(list(self._by_session.values()))
 
     # ---- what operators see -------------------------------------------------------------------
 

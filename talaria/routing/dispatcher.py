@@ -44,7 +44,7 @@ from talaria.routing.continuity import (
     new_session_id,
     token_chain,
 )
-from talaria.routing.admission_line import MAX_PROMISE_S, AdmissionLine, Waiting, promise_times
+from talaria.routing.admission_line import GRACE_S, MAX_PROMISE_S, AdmissionLine, Waiting, promise_times
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.errors import RETRY_AFTER_S, Overloaded
 from talaria.routing.held_calls import MAX_HOLD_S, HeldCall, HeldCalls
@@ -82,7 +82,7 @@ class Dispatcher:
         self.shedding = SessionShedding(clock, config.session_ttl_s, config.max_sessions)
         self.load = SessionLoad(self._price, config.session_ttl_s)
         self.held = HeldCalls(config.max_queued)
-        self.line = AdmissionLine(config.max_waiting)
+        self.line = AdmissionLine(config.max_waiting, config.line_hold_s)
         self.peers: list[PeerLink] = []
         self._models = {inst.name: inst.models for inst in node.config.instances}
         self._ttft = {inst.name: inst.ttft_s for inst in node.config.instances}
@@ -172,10 +172,20 @@ class Dispatcher:
         elif policy is Overload.QUEUE or (policy is Overload.SESSIONS and admitted):
             decision = await self._hold(req, local, admitted, decision, left)
         elif not admitted:
-            router.record(req, decision)
             if inferred and chain:  # a client without a session id is known again by its conversation
                 self.continuity.remember(req.model, req.session, chain[-1:])
-            raise self._wait_in_line(req, entry, decision, now)
+            refusal = self._wait_in_line(req, entry, decision, now)
+            entry = self.line.get(req.session)
+            if entry is None or refusal.over_capacity or entry.promised_at - now > self.line.hold_s:
+                router.record(req, decision)
+                raise refusal
+            decision = await self._wait_turn(entry, req, local, left)  # its turn is near: it waits here
+            if decision.instance is None:
+                router.record(req, decision)
+                entry = self.line.get(req.session)
+                if decision.overload == "client-gone" or entry is None:
+                    raise self._refusal(req, decision)
+                raise self._wait_in_line(req, entry, router.decide(req, local), self.clock())
         else:
             router.record(req, decision)
         if decision.instance is None:
@@ -306,6 +316,30 @@ class Dispatcher:
                           f"number {place} in line, expected in within {wait:.1f} s; retry in "
                           f"{max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
 
+    async def _wait_turn(self, entry: Waiting, req: RouteRequest, local: bool,
+                         left: Callable[[], Awaitable[object]] | None) -> RouteDecision:
+        """Hold a new session's call, its turn near, until `_check_line` places it, it is GRACE_S past its
+        promise (a decision without an instance: it gets its 429), or its client leaves ("client-gone")."""
+        waiter = asyncio.get_running_loop().create_future()
+        entry.held, entry.hold_until = (req, local, waiter), entry.promised_at + GRACE_S
+        self._poll()
+        watch = asyncio.ensure_future(left()) if left is not None else None
+        try:
+            if watch is not None:
+                await asyncio.wait((waiter, watch), return_when=asyncio.FIRST_COMPLETED)
+                if not waiter.done():  # its client left first: its place is kept, should it come back
+                    waiter.cancel()
+                    return RouteDecision(None, Reason.OVERLOAD, overload="client-gone")
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.result().instance is not None:
+                self._uncommit(req, waiter.result())  # placed just as its client left: it never runs
+            raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+            entry.held = None
+
     def _schedule(self, model: str, decision: RouteDecision, entry: Waiting, now: float) -> list[float]:
         """Predicted admission times of the model's line, in order (AdmissionLine.promise_times), on
         the instance closest to admitting `entry`'s call (`decision`, the router's answer to it)."""
@@ -325,12 +359,31 @@ class Dispatcher:
         return [t if t != math.inf else now + max(1.0, excess * self.line.scale) for t in times]
 
     def _check_line(self) -> None:
-        """Each poll: drop the line's sessions whose clients did not come back, and note the first
-        poll at which an instance would admit the head of each line (its promise's error)."""
-        now = self.clock()
-        self.line.expire(now)
-        for head in self.line.heads():
-            if head.ready_at is not None or self.held.blocks(head.model, False):
+        """Each poll: drop the line's sessions whose clients did not come back; place the calls held
+        in line (in its order, while they are due or first and an instance admits them); and note the
+        first poll at which an instance would admit the head of each line (its promise's error)."""
+        now, line = self.clock(), self.line
+        line.expire(now)
+        for w in line:
+            if w.held is not None and now >= w.hold_until and not w.held[2].done():
+                w.held[2].set_result(RouteDecision(None, Reason.OVERLOAD, overload="line"))  # 429 after all
+        for head in line.heads():
+            if self.held.blocks(head.model, False):
+                continue
+            for w in line.order(head.model):
+                if w.held is None or w.held[2].done():
+                    continue  # its client is away: one behind it that is due may go first
+                req, local, waiter = w.held
+                if not line.may_try(w, head.model, now):
+                    break  # the ones behind it are due later still
+                decision = self.router.decide(req, local)
+                if decision.instance is None:
+                    break  # no room: the ones behind it wait behind it
+                self.router.record(req, decision)
+                self._commit(req, decision)
+                line.admitted(w, now)
+                waiter.set_result(decision)
+            if head.ready_at is not None or line.get(head.session) is not head:
                 continue
             probe = RouteRequest(head.model, None, head.prompt_tokens, head.max_tokens, "", head.tenant, True)
             if self.router.decide(probe).instance is not None:

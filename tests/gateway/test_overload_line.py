@@ -29,6 +29,7 @@ def full_node(**router) -> tuple[FakeEchoSupervisor, object]:
     """A node whose one instance has 100 calls waiting: new sessions wait past the 2 s target."""
     group = FakeEchoGroup("hot0")
     ready(group, waiting=100)
+    router.setdefault("line_hold_s", 0.0)  # a 429 however near its turn (the clock here never moves)
     sup = FakeEchoSupervisor([group], router=RouterConfig(policy=RouterPolicy.FULL, **router))
     ids = iter(f"id{i}" for i in range(1_000_000))
     app = create_app(sup, clock=lambda: 50.0, wall_clock=lambda: 1_700_000_000.5, new_id=lambda: next(ids))

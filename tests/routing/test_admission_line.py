@@ -7,6 +7,7 @@ profile (prefill 1 ms a token, decode's per-sequence cost 0): a call's predicted
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 
@@ -103,12 +104,13 @@ def test_a_promise_found_late_or_early_corrects_the_next_ones():
 class Node:
     """One echo instance (TTFT target 2 s) under the injected clock, sessions served by hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 0.0) -> None:
         self.clock = Clock()
         self.group = FakeEchoGroup("hot0")
         self.versions = iter(range(1, 10_000))
         self.fresh()
-        self.d, self.node = dispatcher(self.group, clock=self.clock, lease_s=0.0, admit_rounds=0.2)
+        self.d, self.node = dispatcher(self.group, clock=self.clock, lease_s=0.0, admit_rounds=0.2,
+                                       line_hold_s=hold_s)  # 0: every new session not admitted gets its 429
 
     def fresh(self) -> None:
         """A snapshot taken now: an idle instance (the load is the admitted sessions')."""
@@ -212,3 +214,41 @@ def test_a_promise_off_by_seconds_is_measured_and_corrects_the_next_ones():
     assert error["samples"] == 1 and error["mean_signed"] == pytest.approx(head.ready_at - head.promised_at)
     assert n.d.line.scale < 1.0
     assert n.ask("new0") is None  # it comes back early, first in line, and there is room: admitted
+
+
+def test_a_session_whose_turn_is_near_is_held_and_placed_when_due_else_told_a_new_time():
+    """With line_hold_s 30, the newcomer of the first test (due at the second departure, seconds
+    away) is held rather than sent a 429: placed at the first control interval at which it is due
+    and an instance admits it, not before. A second one, due later, is held too; when the sessions
+    ahead of it call again instead of leaving, it is sent its 429 GRACE_S past its promise, with a
+    new one, and keeps its place."""
+    n = Node(hold_s=30.0)
+    two_call_sessions(n, ["w0", "w1", "w2", "w3"], 0.0)
+    n.at(n.clock.now + 30.0)
+    two_call_sessions(n, ["s0", "s1", "s2", "s3"], 0.3)
+    quiet = sorted(n.d.load._sessions[(s, MODEL)].quiet_at for s in ("s0", "s1", "s2", "s3"))
+
+    async def scenario() -> None:
+        first = asyncio.create_task(n.d.place(n.call("new0", 1000), (), False, True, ()))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(n.d.place(n.call("new1", 1000), (), False, True, ()))
+        await asyncio.sleep(0)
+        assert [w.session for w in n.d.line.order(MODEL)] == ["new0", "new1"]
+        assert n.d.line.get("new0").promised_at == pytest.approx(quiet[1])
+        n.at(quiet[1] - 2 * CONTROL_INTERVAL_S)
+        await asyncio.sleep(0)
+        assert not first.done()
+        n.at(quiet[1])
+        await asyncio.sleep(0)
+        assert first.done() and first.result().group is n.group  # placed when due
+        promise = n.d.line.get("new1").promised_at
+        assert promise == pytest.approx(quiet[2])
+        for s in ("s2", "s3"):  # they call again instead of leaving: no room at new1's promise
+            n.d.load.arrived(s, MODEL, 3105, n.clock.now)
+        n.at(promise + GRACE_S)
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="number 1 in line") as refused:
+            await second
+        assert refused.value.retry_after_ms > 0 and n.d.line.get("new1").returns == 1
+    asyncio.run(scenario())
+    assert n.d.line.counts["admitted"] == 1

@@ -197,7 +197,7 @@ def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_call
                                           time=clock.now)
 
     fresh()
-    d, node = dispatcher(group, clock=clock, lease_s=0.0, admit_rounds=0.2)
+    d, node = dispatcher(group, clock=clock, lease_s=0.0, admit_rounds=0.2, line_hold_s=0.0)
 
     def call(session: str, prompt: int) -> RouteRequest:
         return RouteRequest(MODEL, session, prompt, 4, f"{session}@{prompt}")
