@@ -1,7 +1,7 @@
 """Calls held at the gateway until an instance admits them, placed oldest first.
 
-`overload = "sessions"` holds the calls of admitted sessions (and a tenant's new session while it
-holds less than its fair share); `overload = "queue"` holds every call. When an instance frees up,
+`overload = "sessions"` holds the calls of admitted sessions (new sessions wait in the admission
+line, talaria/routing/admission_line.py); `overload = "queue"` holds every call. When an instance frees up,
 the call placed is the oldest one held for its model, not whichever asks first: `pump` walks the
 calls in arrival order and, per model,
 
