@@ -1,7 +1,7 @@
 """`/v1/responses` through the real `openai` SDK against the real gateway over loopback, with a
 scripted fake instance (tests/gateway/fakes.py), so the exact items, events and prompts are known:
-whole and streamed responses hold the same items; the stream's sequence numbers count up from 0
-and its items open, take deltas and close in order; an instance failure mid-stream is an `error`
+whole and streamed responses hold the same items; the stream is well formed, every event valid as
+the SDK's type (tests/gateway/responses_events.py); an instance failure mid-stream is an `error`
 event then `response.failed`; `previous_response_id` renders the prompt that sending every item back
 renders, per tenant; hosted tools stay out of the prompt; the session precedence; truncation."""
 
@@ -17,6 +17,7 @@ import pytest
 from talaria.config.schema import ApiKeyConfig, ModelConfig, ReasoningParser, ServerConfig
 from talaria.gateway.gateway import create_app
 from tests.gateway.fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor, serve_app
+from tests.gateway.responses_events import check_well_formed, stream_events
 
 SHELL = {"type": "function", "name": "shell", "description": "Run a command",
          "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
@@ -50,7 +51,7 @@ def test_whole_and_streamed_responses_hold_the_same_items_and_events_are_in_orde
         request = {"model": MODEL, "input": ASK, "tools": [SHELL, CRM, *HOSTED], "reasoning": {"summary": "auto"},
                    "include": ["reasoning.encrypted_content"], "max_output_tokens": 500}
         whole = client.responses.create(**request)
-        events = list(client.responses.create(**request, stream=True))
+        events = stream_events(client, **request)
     assert whole.status == "completed" and whole.id.startswith("resp_") and whole.tools[2].type == "web_search"
     assert [o.type for o in whole.output] == ["reasoning", "message", "function_call", "function_call"]
     reasoning, message, shell, lookup = whole.output
@@ -59,18 +60,8 @@ def test_whole_and_streamed_responses_hold_the_same_items_and_events_are_in_orde
     assert (shell.name, json.loads(shell.arguments), shell.namespace) == ("shell", {"cmd": "ls"}, None)
     assert (lookup.name, lookup.namespace, lookup.call_id.startswith("call_")) == ("lookup", "crm", True)
     assert whole.usage.output_tokens_details.reasoning_tokens == len("<think>\nThe user wants files.\n</think>") - 15
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
-    opened = []
-    for e in events[2:-1]:  # items open, take deltas at their own index and close, one at a time
-        if e.type == "response.output_item.added":
-            opened.append(e.item.type)
-            assert e.output_index == len(opened) - 1
-        else:
-            assert e.output_index == len(opened) - 1
-    assert opened == ["reasoning", "message", "function_call", "function_call"]
-    streamed = events[-1].response
+    streamed = check_well_formed(events)
+    assert events[-1].type == "response.completed"
     strip = {"id", "call_id", "encrypted_content"}
     assert [o.model_dump(exclude=strip) for o in streamed.output] == [o.model_dump(exclude=strip) for o in whole.output]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta") == \
@@ -90,8 +81,9 @@ def test_reasoning_without_a_summary_carries_no_text_and_a_cut_answer_is_incompl
 def test_an_instance_failure_mid_stream_is_an_error_event_then_response_failed():
     with node("x" * 50, reasoning=False) as (client, group):
         group.fail_after = 5
-        events = list(client.responses.create(model=MODEL, input="hi", stream=True))
-    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        events = stream_events(client, model=MODEL, input="hi")
+    failed = check_well_formed(events)
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"] and failed.output[0].type == "message"
     assert events[-2].code == "instance_failed" and events[-1].response.error.code == "server_error"
     assert events[-1].response.status == "failed"
 
