@@ -10,6 +10,12 @@ tokens' `.tolist()`). A call with a grammar draws only among the tokens its gram
 The draw is `argmax(probs / E)` with E ~ Exp(1) drawn per vocabulary entry: the exponential race,
 which is exactly how `torch.multinomial(probs, 1, generator=g)` draws one sample, so a seeded call
 draws the tokens it drew when each row was sampled alone with `multinomial`.
+
+A call's seed reaches its generator through `generator_seed`, a 64-bit mix (SplitMix64's
+finalizer): torch's CPU generator keeps only the low 32 bits of what it is seeded with, so seeds
+that differ only above bit 32 (0 and 2^63, 2^63 - 1 and 2^64 - 1) would otherwise draw the same
+tokens. After the mix every bit of the seed moves the low 32, and two seeds share a stream only by
+a 2^-32 chance. A negative seed is its 64-bit two's complement (-1 is 2^64 - 1), as torch takes it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,19 @@ import torch
 
 from talaria.contracts.call import SamplingParams
 from talaria.executor.grammar_masks import GrammarError, GrammarMasks
+
+_U64 = 2**64 - 1
+
+
+def generator_seed(seed: int) -> int:
+    """What a call's seed, an integer in [-2^63, 2^64 - 1], seeds its generator with (the module
+    docstring); a seed outside that range is a ValueError, which fails that call alone."""
+    if not -(2**63) <= seed <= _U64:
+        raise ValueError(f"seed {seed} is outside [-2^63, 2^64 - 1]")
+    z = (seed + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +177,6 @@ class Sampler:
             seed = params.seed if params.seed is not None else int(
                 torch.randint(0, 2**62, (1,), generator=self._seeds))
             g = torch.Generator(device=device)
-            g.manual_seed(seed)
+            g.manual_seed(generator_seed(seed))
             self._generators[request_id] = g  # only once seeded: a seed that fails leaves no stream behind
         return g

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from talaria.gateway.errors import APIError
+from talaria.gateway.fields import Fields
 from talaria.gateway.tools import definition_text
 
 ROLES = ("user", "assistant", "system")
@@ -151,7 +152,7 @@ def _tool_result(block: dict[str, Any], at: str, rules: BlockRules) -> dict[str,
         content = "\n".join(_result_part(b, f"{at}.content[{k}]", rules) for k, b in enumerate(content))
     elif not isinstance(content, str):
         raise APIError.invalid(f"{at}.content must be a string or an array of text blocks", f"{at}.content")
-    if block.get("is_error"):
+    if Fields(block, f"{at}.").boolean("is_error", False):
         content = f"Error: {content}"
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
 

@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from talaria.contracts.call import SamplingParams
-from talaria.executor.sampler import Sampler
+from talaria.executor.sampler import Sampler, generator_seed
 from tests.tiny_models import engine_device
 
 V = 8
@@ -127,6 +127,18 @@ def test_one_call_that_cannot_be_sampled_fails_alone():
     assert [tokens[0], tokens[2]] == alone
 
 
+def test_seeds_that_differ_only_in_their_high_bits_draw_different_streams():
+    """torch's CPU generator keeps a seed's low 32 bits: seeded as sent, 0, 2^32 and 2^63 drew the
+    same tokens, as did 2^63 - 1 and 2^64 - 1. A negative seed is its two's complement: -1 draws
+    2^64 - 1's stream, -2^63 draws 2^63's."""
+    logits = torch.zeros(4096)  # uniform: every draw is the stream's own
+    seeds = (0, 2**32, 2**63, 2**63 - 1, 2**64 - 1)
+    streams = {s: draws(Sampler(), "r", SamplingParams(seed=s), logits, 8) for s in seeds}
+    assert len(set(map(tuple, streams.values()))) == len(seeds), streams
+    assert draws(Sampler(), "r", SamplingParams(seed=-1), logits, 8) == streams[2**64 - 1]
+    assert draws(Sampler(), "r", SamplingParams(seed=-(2**63)), logits, 8) == streams[2**63]
+
+
 def test_vanishing_temperature_and_top_p_choose_the_top_token():
     logits = random_logits(4, seed=5)
     top = logits.argmax(-1).tolist()
@@ -163,7 +175,7 @@ def test_seeded_batched_draws_equal_row_at_a_time_multinomial():
     device = engine_device()
     vocab, steps = 300, 12
     sampler = Sampler()
-    gens = {i: torch.Generator(device=device).manual_seed(p.seed) for i, p in enumerate(MIXED)}
+    gens = {i: torch.Generator(device=device).manual_seed(generator_seed(p.seed)) for i, p in enumerate(MIXED)}
     for step in range(steps):
         logits = (3 * torch.randn(len(MIXED), vocab, generator=torch.Generator().manual_seed(step))).to(device)
         got = sample(sampler, logits, [(f"r{i}", p) for i, p in enumerate(MIXED)])
