@@ -6,10 +6,12 @@
   arrive as the SDK's typed exceptions.
 - A long-context synthetic model with a reasoning template (its generation prompt opens `<think>`,
   as Qwen3.5's does; byte tokenizer, 131,072 positions; its own node, with an API key): a request of
-  OpenAI's coding agent's real shape and size streams as a well-formed event sequence the SDK
-  parses, ending in `response.completed`; a 5-call `store: false` session that sends back every
-  item it got (reasoning included) reads at least 90% of each previous prompt from the prefix
-  cache, and so does one that continues by `previous_response_id`.
+  OpenAI's coding agent's real shape and size (a fixture) streams as a well-formed event sequence,
+  every event read off the wire and validated as the SDK's type (tests/gateway/responses_events.py):
+  forced to call one of its functions, it ends in `response.completed` with the call; with an output
+  limit, in `response.incomplete`. A 5-call `store: false` session that sends back every item it
+  got (reasoning included) reads at least 90% of each previous prompt from the prefix cache, and so
+  does one that continues by `previous_response_id`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 from talaria.config.schema import SyntheticShape
 from talaria.models.synthetic import write_synthetic
 from tests.conftest import Server, served
+from tests.gateway.responses_events import check_well_formed, stream_events
 
 pytestmark = pytest.mark.slow
 
@@ -136,31 +139,71 @@ def client(node: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=node.api, api_key=KEY, max_retries=2)
 
 
-def test_the_coding_agent_s_request_of_real_shape_and_size_streams_well_formed(thinking_node):
-    """The fixture is OpenAI's coding agent's request as sent (developer and user messages, earlier
-    calls, their outputs and reasoning items; 7 functions, a namespace of 2, web_search; store false;
-    stream), about 40 KB. max_output_tokens is added: a random model would decode to the context's end."""
+def codex_request() -> tuple[dict, dict]:
+    """The fixture: OpenAI's coding agent's request as sent (developer and user messages, earlier calls,
+    their outputs and reasoning items; 7 functions, a namespace of 2, web_search; store false;
+    stream), about 40 KB, as (the SDK's keyword arguments, its headers)."""
     fixture = json.loads(FIXTURE.read_text())
     body, headers = fixture["body"], fixture["headers"]
     kinds = [t["type"] for t in body["tools"]]
     assert len(json.dumps(body)) > 40_000 and kinds.count("function") == 7 and "namespace" in kinds
     assert {"reasoning", "function_call", "function_call_output"} <= {i.get("type") for i in body["input"]}
+    assert body["stream"] is True and body["tool_choice"] == "auto" and "max_output_tokens" not in body
     rest = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}  # client_metadata too
-    stream = client(thinking_node).responses.create(model="thinker", input=body["input"], stream=True,
-                                                    extra_headers=headers, extra_body=rest | {"max_output_tokens": 48})
-    events = list(stream)  # every event parsed by the SDK into its type
-    assert all(type(e).__name__.startswith("Response") for e in events)
-    kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    final = events[-1].response
+    return {"model": "thinker", "input": body["input"], "extra_headers": headers, "extra_body": rest}, body
+
+
+def test_the_coding_agent_s_request_forced_to_call_a_function_streams_to_response_completed(thinking_node):
+    """The fixture with `tool_choice` forcing one of the functions it sends (its namespace's
+    `get_pull_request`), and no max_output_tokens, as the agent sends none. That is how the
+    generation ends on a random model: constrained decoding writes the call in the model's format from
+    the first token (a forced call never starts inside the reasoning the generation prompt opened),
+    and once the call is whole the grammar allows only the end of the turn. So the stream ends in
+    `response.completed`, its one item a `function_call` whose arguments arrived as deltas.
+
+    `seed` (Talaria's extension) makes the sample the same on every run: at the agent's temperature
+    (1, it sends none) the random model's strings are of any length (98 to 1,632 tokens in six
+    unseeded tries, seconds to minutes here); seed 0 wrote `{"repo": "", "number": 0}`, 107 tokens."""
+    request, body = codex_request()
+    forced = {"type": "function", "name": "get_pull_request", "namespace": "mcp__github__"}
+    request["extra_body"] |= {"tool_choice": forced, "seed": 0}
+    events = stream_events(client(thinking_node), **request)  # every event validated as the SDK's type
+    final = check_well_formed(events)
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    assert final.incomplete_details is None and final.error is None and final.tool_choice.name == "get_pull_request"
+    (call,) = final.output
+    assert (call.type, call.namespace, call.name, call.status) == \
+        ("function_call", "mcp__github__", "get_pull_request", "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    (github,) = [t for t in body["tools"] if t["type"] == "namespace"]
+    (schema,) = [f["parameters"] for f in github["tools"] if f["name"] == "get_pull_request"]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 1  # streamed as generated
+    usage = final.usage
+    assert usage.input_tokens > 35_000 and 0 < usage.output_tokens < 4096  # ended by itself, not by a limit
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    with client(thinking_node).responses.stream(**request) as sdk:  # the SDK's own reader, the same sample
+        assembled = sdk.get_final_response()
+    strip = {"id", "call_id", "parsed_arguments"}  # the helper's items carry parsed_arguments
+    assert [o.model_dump(exclude=strip) for o in assembled.output] == [o.model_dump(exclude=strip) for o in final.output]
+    assert assembled.status == "completed" and assembled.usage.input_tokens_details.cached_tokens > 35_000
+
+
+def test_the_coding_agent_s_request_cut_by_max_output_tokens_streams_to_response_incomplete(thinking_node):
+    """The fixture with max_output_tokens added: with tool_choice "auto" a random model reasons (the
+    generation prompt opened <think>) and never closes it, so the output limit ends the stream, in
+    `response.incomplete` with `incomplete_details` saying why."""
+    request, _ = codex_request()
+    request["extra_body"] |= {"max_output_tokens": 48}
+    events = stream_events(client(thinking_node), **request)
+    final = check_well_formed(events)
+    assert events[-1].type == "response.incomplete" and final.incomplete_details.reason == "max_output_tokens"
     assert final.usage.input_tokens > 35_000 and final.usage.output_tokens == 48
-    (reasoning,) = final.output  # the random model never closes <think>: all 48 tokens are reasoning
-    assert reasoning.type == "reasoning" and reasoning.encrypted_content and reasoning.summary[0].text
+    (reasoning,) = final.output  # all 48 tokens are reasoning
+    assert reasoning.type == "reasoning" and reasoning.status == "incomplete"
+    assert reasoning.encrypted_content and reasoning.summary[0].text  # include and summary "auto" honoured
     assert final.usage.output_tokens_details.reasoning_tokens == 48
-    added = [e.item.type for e in events if e.type == "response.output_item.added"]
-    done = [e.item.type for e in events if e.type == "response.output_item.done"]
-    assert added == done == ["reasoning"]
+    assert sum(e.type == "response.reasoning_summary_text.delta" for e in events) > 1
 
 
 def session_reads(node: Server, chained: bool) -> tuple[list[int], list[int]]:
