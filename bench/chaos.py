@@ -3,7 +3,7 @@
     python bench/chaos.py [--trials N] [--seed S] [--quick] [--only tp1|tp2|kill] [--first I]
                           [--deadline-s S] [--json PATH] [--workdir DIR]
 
-A trial is a small random scenario: 2-5 sessions on 1-3 of five tiny float64 models (below), each
+A trial is a small random scenario: 2-5 sessions on 1-3 of seven tiny float64 models (below), each
 1-3 greedy `ignore_eos` turns, a turn's prompt being the previous prompt, its output and a few new
 tokens (so returning sessions are served from the prefix cache or the host KV registry), some
 sessions sharing a first prefix, a few calls cancelled after a random number of tokens. Each trial
@@ -33,10 +33,14 @@ Three kinds of trial:
   as concurrent tasks while another task forces switches (`group.switch`).
 * kill: a real `talaria up` (hot-0: TP=1, qwen3_next; cold-0: TP=2, llama, qwen3 and qwen3_5_moe).
   While calls stream (sometimes during an admin switch, with more calls sent just after), SIGKILL
-  rank 0 or 1 of one instance. Every failed call must fail with the API's JSON error (an HTTP error
-  status, or an in-band stream event, `{"error": {"message": ..., "code": ...}}`), the instance must
-  report a restart and be healthy again, and the calls after it (returning sessions, failed calls
-  retried, the other instance's) must succeed.
+  rank 0 or 1 of one instance. Only the killed instance's calls may fail, each with the API's JSON
+  error (an HTTP error status, or an in-band stream event, `{"error": {"message": ..., "code":
+  ...}}`) and one of the codes a kill explains (KILLED_CALL_CODES: instance_failed, in flight when
+  the worker died; instance_unavailable, placed while it restarts; an admin switch's
+  KILLED_SWITCH_CODES: switch_failed; docs/operations.md). The killed instance must restart, once,
+  and no other (the restart counts before the kill against those after the trial's last call), be
+  healthy again, and the calls after it (returning sessions, failed calls retried, the other
+  instance's) must succeed.
 
 The checks: a completed call's tokens equal the reference's greedy tokens for its prompt; a cancelled
 call's tokens are a prefix of them. The reference of a synthetic model is `ReferenceLlama.greedy`
@@ -46,15 +50,26 @@ call's tokens are a prefix of them. The reference of a synthetic model is `Refer
 reference's ids decoded by the model's byte tokenizer, token by token as the gateway streams) and the
 completion token count: token ids are checked exactly in tp1 and tp2 trials, text only in kill
 trials. A failure is clean when it is the engine's own error (a record with `error`, InstanceFailed)
-or a JSON error body with a code; a hang is a call, switch or restart not finished within
---deadline-s (a restart: 3x that).
+or a JSON error body with a code, and expected only in a kill trial, with a code the kill explains;
+a hang is a call, switch or restart not finished within --deadline-s (a restart: 3x that).
+
+Coverage: a run must exercise each mechanism of the coverage table in at least COVERAGE's number of
+trials of each kind, else it fails as "did not exercise" it. COVERAGE is stated for --quick's 60
+trials (44 tp1, 12 tp2, 4 kill) and scaled to a run's planned trials of each kind, rounded down (a
+full run of 1,200 requires about 20x as many; a one-trial repro, none). The rule, fixed before
+measuring: --quick ran with seeds 0-3 on the code of this check; a mechanism's minimum is half the
+fewest trials of a kind it happened in over those runs, rounded down, so one that some run exercised
+in fewer than 2 trials of a kind gets no minimum there (--quick does not exercise it reliably).
+The minimums come from seeds 0, 1, 2 and 3 on 2026-12-06 (commit 4c4a1cd with this check's edits, on
+the 2-core VM, load average 1-8): each run passed, in 114, 173, 240 and 182 s.
 
 Reproduce a trial with `--only KIND --first I --trials 1 --seed S` (each incident in the JSON has
 the command): its workload and instance come from (seed, kind, index) alone, but what interleaves
 with what depends on timing (rounds run on the real clock; a tp2 trial shares its group with the
 block's earlier trials), so a timing-dependent failure may take a few runs. Progress goes to
 stderr, the tables to stdout, everything to the JSON file (default bench/results/chaos.json).
-Exits 1 on any divergence, unclean failure, unexpected failure or hang.
+Exits 1 on any divergence, unclean failure, unexpected failure, hang, wrong restart, or mechanism
+not exercised.
 """
 
 from __future__ import annotations
@@ -114,8 +129,23 @@ SWITCH_P, STAGE_P = 0.08, 0.03  # tp1: per step, a forced switch / a staging ret
 HF_POSITIONS = 512  # the transformers-built models' max_position_embeddings: a kill trial's longest session fits
 HF_BUILDERS = {family: module for module in (hybrid_models, mla_models) for family in module.FAMILIES}
 KILL_INSTANCES = {"hot-0": ("tiny-qwen3_next",), "cold-0": ("tiny-llama", "tiny-qwen3", "tiny-qwen3_5_moe")}  # tp 1, 2
+QUICK_TRIALS = 60  # --quick: 44 tp1, 12 tp2, 4 kill
+# The least number of trials of each kind in which each mechanism must happen in a run of --quick's
+# size (scaled for other sizes: coverage_minimums), else the run fails as "did not exercise" it. Chosen
+# once from --quick runs of several seeds before any run was judged by them (the module docstring).
+COVERAGE: dict[str, dict[str, int]] = {
+    "tp1": {"switch": 16, "device_prefix_hit": 15, "preemption": 14, "host_kv_eviction": 12, "host_kv_restore": 9,
+            "switch_from_staged_chunks": 9, "cancel": 5, "dirty_staged_chunks": 1,
+            "hybrid_switch": 8, "hybrid_switch_from_staged_chunks": 6, "hybrid_preemption": 5,
+            "hybrid_device_prefix_hit": 2, "hybrid_host_kv_restore": 2, "hybrid_dirty_staged_chunks": 1,
+            "mla_switch": 10, "mla_preemption": 7, "mla_switch_from_staged_chunks": 5, "mla_device_prefix_hit": 4,
+            "mla_host_kv_restore": 3, "mla_dirty_staged_chunks": 1},
+    "tp2": {"switch": 6, "preemption": 5, "device_prefix_hit": 1, "host_kv_restore": 1, "switch_from_staged_chunks": 1,
+            "cancel": 1, "hybrid_switch": 6, "hybrid_device_prefix_hit": 1, "hybrid_switch_from_staged_chunks": 1},
+    "kill": {"call failed by the kill": 2, "hybrid call at the kill": 1, "kill hot-0 rank 0": 1},
+}
 COUNTS = ("trials", "calls", "matched", "cancelled", "divergent_calls", "divergent_tokens", "clean_failures",
-          "unexpected_failures", "unclean_failures", "hangs")
+          "unexpected_failures", "unclean_failures", "hangs", "wrong_restarts")
 
 
 # ---- the workload ----------------------------------------------------------------------------
@@ -307,6 +337,11 @@ class Tally:
         self.counts[kind]["hangs"] += 1
         self.incident(kind, trial, "hang", what)
 
+    def wrong_restart(self, kind: str, trial: int, what: str) -> None:
+        """A restart (or a worker's death) that the trial's one kill does not explain."""
+        self.counts[kind]["wrong_restarts"] += 1
+        self.incident(kind, trial, "wrong restart", what)
+
     def incident(self, kind: str, trial: int, what: str, detail: str) -> None:
         self.incidents.append({"kind": kind, "trial": trial, "what": what, "detail": detail[:4000],
                                "instance": self.instance,
@@ -318,13 +353,14 @@ class Tally:
 
     @property
     def bad(self) -> int:
-        return sum(self.total(k) for k in ("divergent_calls", "unclean_failures", "unexpected_failures", "hangs"))
+        return sum(self.total(k) for k in ("divergent_calls", "unclean_failures", "unexpected_failures", "hangs",
+                                           "wrong_restarts"))
 
     def line(self, kind: str) -> str:
         c = self.counts[kind]
         return (f"{c['trials']} trials, {c['calls']} calls: {c['divergent_calls']} divergent, {c['clean_failures']} "
                 f"clean failures ({c['unexpected_failures']} unexpected), {c['unclean_failures']} unclean, "
-                f"{c['hangs']} hangs")
+                f"{c['hangs']} hangs" + (f", {c['wrong_restarts']} wrong restarts" if kind == "kill" else ""))
 
 
 def mechanisms(events: list, usages: list, kinds: dict[str, set[str]]) -> set[str]:
@@ -652,7 +688,8 @@ class Fleet:
         return {name: i["restarts"] for name, i in data.items()}
 
     async def recovered(self, client: httpx.AsyncClient, before: dict[str, int], timeout: float) -> str | None:
-        """Wait until an instance has restarted and all are healthy; its name (None: not in time)."""
+        """Wait until an instance has restarted and all are healthy; its name (None: not in time). Which
+        one restarted, and how often, the trial checks when it ends (restart_problem)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -695,6 +732,51 @@ def error_reply(status: int, raw: bytes | str) -> Reply:
     except (ValueError, TypeError, KeyError, AttributeError):
         pass
     return Reply(status, code="unclean", problem=f"HTTP {status}, not the API's JSON error: {raw[:300]!r}")
+
+
+# What a killed instance's calls may fail with, and nothing else (docs/operations.md "A worker that dies
+# or stalls", docs/api.md; the codes are set by talaria/gateway/http.py's instance_error and
+# talaria/gateway/admin.py): a call in flight on the instance when its worker dies ends with
+# instance_failed; one that reaches it while it restarts, with instance_unavailable (the router sees no
+# healthy instance serving the model, or the group is not ready yet). Each is a 503, or an in-band error
+# event once the call's stream has begun (status 200 here). An admin switch on it: a 503 switch_failed.
+# Anything else on the killed instance (call_failed, a 500 for this call alone; a 429; ...) is a bug the
+# kill does not explain, and so is any failure on the other instance or after the restart.
+KILLED_CALL_CODES = frozenset({"instance_failed", "instance_unavailable"})
+KILLED_SWITCH_CODES = frozenset({"switch_failed"})
+
+
+def allowed_codes(body: dict, on_victim: bool) -> frozenset[str]:
+    """The failure codes a kill trial's call (`body`: a completion, or an admin switch naming its
+    instance) may end with: none unless it was sent to the killed instance before it was healthy again."""
+    if not on_victim:
+        return frozenset()
+    return KILLED_SWITCH_CODES if "instance" in body else KILLED_CALL_CODES
+
+
+def explained_by_kill(reply: Reply, allowed: frozenset[str]) -> bool:
+    """A clean failure with one of the `allowed` codes, as a 503 or in-band in a stream."""
+    return reply.code in allowed and reply.status in (200, 503)
+
+
+def judge_failure(tally: Tally, trial: int, what: str, reply: Reply, allowed: frozenset[str]) -> None:
+    """Tally a kill trial's failed call: clean when it is the API's JSON error, expected only when the
+    kill explains its code (`allowed`: allowed_codes)."""
+    may = ", ".join(sorted(allowed)) or "none, it had to succeed"
+    tally.failure("kill", trial, what, reply.problem is None, reply.code or "?",
+                  reply.problem or f"HTTP {reply.status} {reply.code} (the kill explains: {may})",
+                  explained_by_kill(reply, allowed))
+
+
+def restart_problem(victim: str, before: dict[str, int], after: dict[str, int]) -> str | None:
+    """Why the instances' restart counts over a kill trial are not what its one kill explains (the
+    killed instance restarted, once; no other instance at all), or None."""
+    changed = {n: after.get(n, 0) - before.get(n, 0) for n in sorted(after.keys() | before.keys())}
+    changed = {n: d for n, d in changed.items() if d}
+    if changed == {victim: 1}:
+        return None
+    seen = ", ".join(f"{n} {d:+d}" for n, d in changed.items()) or "none"
+    return f"killed {victim}, but the restarts over the trial were: {seen} (only {victim} +1 is explained)"
 
 
 async def post(client: httpx.AsyncClient, url: str, body: dict, deadline_s: float, started: asyncio.Event) -> Reply:
@@ -751,7 +833,7 @@ async def kill_trial(index: int, fleet: Fleet, client: httpx.AsyncClient, oracle
         first_event = started if on_victim else asyncio.Event()  # the kill waits for a victim's stream
         return b, on_victim, asyncio.create_task(post(client, fleet.url + url, b, deadline_s, first_event))
 
-    def judge(b: dict, reply: Reply, expected_failure: bool) -> None:
+    def judge(b: dict, reply: Reply, allowed: frozenset[str]) -> None:
         what = f"{b.get('model')} prompt {b.get('prompt')} max_tokens {b.get('max_tokens')}"
         if reply.hung:
             tally.hang("kill", index, f"{what}: unanswered after {deadline_s:.0f} s")
@@ -759,8 +841,7 @@ async def kill_trial(index: int, fleet: Fleet, client: httpx.AsyncClient, oracle
             want = oracle.tokens(b["model"], tuple(b["prompt"]), b["max_tokens"])
             tally.check_text("kill", index, what, reply.text, reply.tokens, want, oracle.text(b["model"], want))
         elif not reply.ok:
-            tally.failure("kill", index, what, reply.problem is None, reply.code or "?",
-                          reply.problem or f"HTTP {reply.status} {reply.code}", expected_failure)
+            judge_failure(tally, index, what, reply, allowed)
 
     before = await fleet.restarts(client)
     calls = [launch(fresh(rng.choice(KILL_INSTANCES[victim]), 64, 400), True) for _ in range(rng.randint(1, 3))]
@@ -776,13 +857,13 @@ async def kill_trial(index: int, fleet: Fleet, client: httpx.AsyncClient, oracle
     try:
         os.kill(fleet.ranks[victim][rank], signal.SIGKILL)
     except ProcessLookupError:  # it died by itself: recovered() below still expects a restart
-        tally.incident("kill", index, "worker already gone", f"{victim} rank {rank} had exited before the kill")
+        tally.wrong_restart("kill", index, f"{victim} rank {rank} had exited before the kill: a death no kill explains")
     calls += [launch(fresh(rng.choice(KILL_INSTANCES[victim]), 1, 16), True) for _ in range(rng.randint(0, 2))]
     replies = [(b, on_victim, await task) for b, on_victim, task in calls]
     t0 = time.monotonic()
     restarted = await fleet.recovered(client, before, 3 * deadline_s)
     for b, on_victim, reply in replies:
-        judge(b, reply, on_victim)
+        judge(b, reply, allowed_codes(b, on_victim))
     found = {f"kill {victim} rank {rank}"}
     found.update({"call failed by the kill"} if any(r.code == "instance_failed" for _, _, r in replies) else ())
     found.update({"admin switch at the kill"} if any("instance" in b for b, _, _ in replies) else ())
@@ -794,8 +875,6 @@ async def kill_trial(index: int, fleet: Fleet, client: httpx.AsyncClient, oracle
                    f"killed; log {fleet.log_path}")
         return False
     tally.recoveries_s.append(time.monotonic() - t0)
-    if restarted != victim:
-        tally.incident("kill", index, "bench error", f"killed {victim} rank {rank} but {restarted} restarted")
     after = []  # every session returns (or retries), on both instances: all must succeed
     for b, _, reply in replies:
         if "prompt" not in b:
@@ -806,7 +885,13 @@ async def kill_trial(index: int, fleet: Fleet, client: httpx.AsyncClient, oracle
             prompt += tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 8)))
         after.append(launch({**b, "prompt": list(prompt), "max_tokens": rng.randint(1, 32)}, False))
     for b, _, task in after:
-        judge(b, await task, False)
+        judge(b, await task, frozenset())
+    try:  # over the whole trial, its calls after the restart included: the victim restarted, once
+        problem = restart_problem(victim, before, await fleet.restarts(client))
+    except httpx.HTTPError as e:
+        problem = f"the restart counts could not be read after the trial: {type(e).__name__}: {e}"
+    if problem is not None:
+        tally.wrong_restart("kill", index, f"{problem} (rank {rank} was killed)")
     return True
 
 
@@ -837,29 +922,51 @@ def plan(trials: int, only: str | None) -> dict[str, int]:
     return {"tp1": trials - sum(extra.values()), **extra}
 
 
-def tables(tally: Tally) -> str:
+def coverage_minimums(planned: dict[str, int]) -> dict[str, dict[str, int]]:
+    """COVERAGE scaled to a run's planned trials of each kind, rounded down: --quick's own minimums
+    for its 60 trials, proportionally more for a longer run, none for a trial or two (a repro)."""
+    quick = plan(QUICK_TRIALS, None)
+    return {k: {m: least * planned[k] // quick[k] for m, least in COVERAGE[k].items()} for k in KINDS}
+
+
+def shortfalls(mechanisms: dict[str, Counter], planned: dict[str, int]) -> list[str]:
+    """Every mechanism a run exercised in fewer trials of a kind than its minimum requires."""
+    return [f"did not exercise {m} in {kind} trials: in {mechanisms[kind][m]} of {planned[kind]}, at least {least} "
+            "required" for kind, minimums in coverage_minimums(planned).items()
+            for m, least in minimums.items() if mechanisms[kind][m] < least]
+
+
+def tables(tally: Tally, planned: dict[str, int]) -> str:
     rows = [("trials", "n", "calls", "matched", "cancelled", "divergent", "clean fail", "unexpected", "unclean",
-             "hangs")]
+             "hangs", "wrong restart")]
     keys = ("trials", "calls", "matched", "cancelled", "divergent_calls", "clean_failures", "unexpected_failures",
-            "unclean_failures", "hangs")
+            "unclean_failures", "hangs", "wrong_restarts")
     for kind in KINDS:
         rows.append((kind, *(str(tally.counts[kind][k]) for k in keys)))
     rows.append(("all", *(str(tally.total(k)) for k in keys)))
-    names = sorted({m for c in tally.mechanisms.values() for m in c})
-    cover = [("mechanism (trials in which it happened)", *KINDS)]
-    cover += [(m, *(str(tally.mechanisms[k][m]) for k in KINDS)) for m in names]
+    least = coverage_minimums(planned)
+
+    def cell(kind: str, m: str) -> str:
+        n, need = tally.mechanisms[kind][m], least[kind].get(m, 0)
+        return f"{n} (>= {need}){'' if n >= need else ' MISSED'}" if need else str(n)
+    names = sorted({m for c in tally.mechanisms.values() for m in c} | {m for c in least.values() for m in c if c[m]})
+    cover = [("mechanism (trials in which it happened, and the least required)", *KINDS)]
+    cover += [(m, *(cell(k, m) for k in KINDS)) for m in names]
     return render(rows) + "\n\n" + render(cover)
 
 
 def result(tally: Tally, counts: dict, args, log, load_start: float) -> dict:
+    short = shortfalls(tally.mechanisms, counts)
     return {
         "trials": tally.total("trials"), "calls": tally.total("calls"),
         "divergences": tally.total("divergent_calls"), "divergent_tokens": tally.total("divergent_tokens"),
         "clean_failures": tally.total("clean_failures"), "unexpected_failures": tally.total("unexpected_failures"),
         "unclean_failures": tally.total("unclean_failures"), "hangs": tally.total("hangs"),
-        "passed": tally.bad == 0,
+        "wrong_restarts": tally.total("wrong_restarts"), "not_exercised": short,
+        "passed": tally.bad == 0 and not short,
         "by_kind": {k: dict(c) for k, c in tally.counts.items()},
         "mechanisms": {k: dict(c) for k, c in tally.mechanisms.items()},
+        "mechanism_minimums": coverage_minimums(counts),
         "failure_codes": {k: dict(c) for k, c in tally.failure_codes.items()},
         "kill_recovery_s": tally.recoveries_s, "incidents": tally.incidents,
         "tp2_forced_switches_stopped_at": None if tally.switch_hang_at == float("inf") else tally.switch_hang_at,
@@ -869,7 +976,8 @@ def result(tally: Tally, counts: dict, args, log, load_start: float) -> dict:
                                           for family, module in HF_BUILDERS.items()},
                    "checks": "token ids (tp1, tp2), text and token count (kill), against ReferenceLlama.greedy "
                              "(synthetic families) or transformers' float64 generate (hybrid and MLA families)",
-                   "kill_config": tally.kill_config},
+                   "kill_config": tally.kill_config,
+                   "killed_call_codes": sorted(KILLED_CALL_CODES), "killed_switch_codes": sorted(KILLED_SWITCH_CODES)},
         **environment(log, load_start),
     }
 
@@ -878,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=1200, help="trials in all: 6%% kill, 20%% tp2, the rest tp1")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 60 trials (two or three minutes)")
+    ap.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_TRIALS} trials (a few minutes)")
     ap.add_argument("--seed", type=int, default=0, help="seed of every trial's workload and instance")
     ap.add_argument("--only", choices=KINDS, help="run only this kind of trial")
     ap.add_argument("--first", type=int, default=0, help="index of the first trial of each kind (to reproduce one)")
@@ -886,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=Path("bench/results/chaos.json"), help="where to write results")
     ap.add_argument("--workdir", type=Path, help="keep the profile, server config and server log here")
     args = ap.parse_args(argv)
-    trials = 60 if args.quick else args.trials
+    trials = QUICK_TRIALS if args.quick else args.trials
     if trials < (1 if args.only else 3) or args.first < 0 or args.deadline_s <= 0:
         ap.error("--trials must be at least 3 (1 with --only), --first at least 0, --deadline-s positive")
 
@@ -930,15 +1038,18 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(kill_phase(range(first, first + counts["kill"]), by_name, oracle, tally, arenas, profile,
                                    workdir, args.deadline_s, log))
         out = result(tally, counts, args, log, load_start)
-    print(tables(tally))
+    print(tables(tally, counts))
     print(f"({out['trials']} trials, {out['calls']} calls checked in {out['wall_s']:.0f} s: {out['divergences']} "
           f"divergent ({out['divergent_tokens']} tokens), {out['clean_failures']} clean failures "
-          f"({out['unexpected_failures']} unexpected), {out['unclean_failures']} unclean, {out['hangs']} hangs)")
+          f"({out['unexpected_failures']} unexpected), {out['unclean_failures']} unclean, {out['hangs']} hangs, "
+          f"{out['wrong_restarts']} wrong restarts; {len(out['not_exercised'])} mechanisms not exercised enough)")
     write_json(args.json, out, log)
     for incident in tally.incidents[:10]:
         print(f"bench/chaos.py: {incident['what']} in {incident['kind']} trial {incident['trial']}: "
               f"{incident['detail'][:300]}\n  {incident['repro']}", file=sys.stderr)
-    return 1 if tally.bad else 0
+    for line in out["not_exercised"]:
+        print(f"bench/chaos.py: {line}", file=sys.stderr)
+    return 0 if out["passed"] else 1
 
 
 if __name__ == "__main__":
