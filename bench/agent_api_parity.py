@@ -11,6 +11,9 @@ as output tokens (the usage each API reports) over the time from the first delta
 stream. Calls alternate chat, Messages, Responses, `--runs` rounds after one warm-up round (the
 prompt is then in the prefix cache for every measured call, for each API alike); the report is each
 API's median and its ratio to chat's. The target: Messages and Responses within 5% of chat on both.
+Every call's text (its text deltas joined) is recorded: greedy decoding of one prompt must give the
+same text and token count through every API and in every round (`api_outputs_agree`; chat's is the
+reference), else bench/agent_api.py fails whatever `--no-gate` says.
 """
 
 from __future__ import annotations
@@ -60,12 +63,14 @@ def request(api: str) -> tuple[str, dict]:
         "instructions": SYSTEM, "tools": [{"type": "function", **f} for f in FUNCTIONS], "input": REQUEST}
 
 
-def first_text(api: str, data: dict) -> bool:
+def text_delta(api: str, data: dict) -> str:
+    """The text an event adds to the answer ("" for any other event)."""
     if api == "chat":
-        return any(c.get("delta", {}).get("content") for c in data.get("choices", []))
+        return "".join(c.get("delta", {}).get("content") or "" for c in data.get("choices", []))
     if api == "messages":
-        return data.get("type") == "content_block_delta" and data["delta"].get("type") == "text_delta"
-    return data.get("type") == "response.output_text.delta"
+        is_text = data.get("type") == "content_block_delta" and data["delta"].get("type") == "text_delta"
+        return data["delta"]["text"] if is_text else ""
+    return data["delta"] if data.get("type") == "response.output_text.delta" else ""
 
 
 def output_tokens(api: str, data: dict) -> int | None:
@@ -78,9 +83,10 @@ def output_tokens(api: str, data: dict) -> int | None:
 
 
 def timed(client: httpx.Client, url: str, api: str) -> dict:
-    """One streamed call: TTFT, tokens/s, output tokens."""
+    """One streamed call: TTFT, tokens/s, output tokens, its text."""
     path, body = request(api)
     first = tokens = None
+    text = ""
     t0 = time.perf_counter()
     with client.stream("POST", url + path, json=body) as r:
         r.raise_for_status()
@@ -88,13 +94,23 @@ def timed(client: httpx.Client, url: str, api: str) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line.removeprefix("data: "))
-            if first is None and first_text(api, data):
+            delta = text_delta(api, data)
+            if first is None and delta:
                 first = time.perf_counter()
+            text += delta
             tokens = output_tokens(api, data) or tokens
     end = time.perf_counter()
     if first is None or not tokens:
         raise RuntimeError(f"{api}: the stream had no text delta or no usage")
-    return {"ttft_s": first - t0, "tok_s": tokens / (end - first), "tokens": tokens}
+    return {"ttft_s": first - t0, "tok_s": tokens / (end - first), "tokens": tokens, "text": text}
+
+
+def outputs_agree(samples: dict[str, list[dict]]) -> bool:
+    """Whether every measured call gave the text and token count of chat's first: the one prompt,
+    decoded greedily, through every API and in every round."""
+    reference = samples["chat"][0]
+    return all((s["text"], s["tokens"]) == (reference["text"], reference["tokens"])
+               for calls in samples.values() for s in calls)
 
 
 def measure(runs: int, workdir: Path, log: ProgressLog) -> dict:
@@ -117,6 +133,8 @@ def measure(runs: int, workdir: Path, log: ProgressLog) -> dict:
         result[f"{api}_ttft_s"] = statistics.median(s["ttft_s"] for s in samples[api])
         result[f"{api}_tok_s"] = statistics.median(s["tok_s"] for s in samples[api])
         result[f"{api}_tokens"] = sorted({s["tokens"] for s in samples[api]})
+    result["api_texts"] = {api: sorted({s["text"] for s in samples[api]}) for api in APIS}
+    result["api_outputs_agree"] = outputs_agree(samples)
     result["api_met"] = {}
     for api in APIS[1:]:
         result[f"{api}_ttft_ratio"] = result[f"{api}_ttft_s"] / result["chat_ttft_s"]
@@ -127,10 +145,11 @@ def measure(runs: int, workdir: Path, log: ProgressLog) -> dict:
 
 def table(m: dict) -> str:
     rows = [("API (SmolLM2, streamed)", "TTFT ms", "tokens/s", "output tokens", "TTFT / chat", "tok/s / chat",
-             f"within {TOLERANCE:.0%}")]
+             f"within {TOLERANCE:.0%}", "text = chat's")]
     for api in APIS:
         ratios = ("-", "-", "-") if api == "chat" else (
             f"{m[f'{api}_ttft_ratio']:.3f}", f"{m[f'{api}_tok_s_ratio']:.3f}", "yes" if m["api_met"][api] else "NO")
+        same = "yes" if m["api_texts"][api] == m["api_texts"]["chat"] and len(m["api_texts"][api]) == 1 else "NO"
         rows.append((api, f"{m[f'{api}_ttft_s'] * 1e3:.1f}", f"{m[f'{api}_tok_s']:.1f}",
-                     ",".join(map(str, m[f"{api}_tokens"])), *ratios))
+                     ",".join(map(str, m[f"{api}_tokens"])), *ratios, same))
     return render(rows)
