@@ -1,10 +1,13 @@
-"""Load: N concurrent agent sessions against `talaria up`, with clients that honour Retry-After.
+"""Load: agent sessions against `talaria up`, with clients that honour Retry-After.
 
-    python bench/load.py [--sessions N] [--quick] [--seed S] [--config PATH] [--json PATH]
+    python bench/load.py [--workload burst|patient] [--sessions N] [--quick] [--seed S] [--config PATH]
+                         [--json PATH] [--capacity PATH] [--no-gate]
+    python bench/load.py --workload patient --sweep 2,4,8,12 [--quick]   # capacity at the TTFT target
 
-The workload, fixed before any measurement (seeded; the same --seed gives the same sessions, bodies,
-gaps and, through each call's `seed`, the same sampled tokens):
+Two workloads, each fixed before any measurement (seeded; the same --seed gives the same sessions,
+bodies, gaps and, through each call's `seed`, the same sampled tokens):
 
+**burst** (the first one):
 * Mix: of every 10 sessions 2 use `smollm2` (hot-0) and 4 each `tiny-llama` and `tiny-qwen3`
   (cold-0, TP=2, the two models take turns in rounds). Measured alone on the 2-core VM, one SmolLM2
   call (a 200-token prompt, 24 tokens out) takes 1.9 s and 16 concurrent fresh ones 11 s (~1.4
@@ -22,32 +25,72 @@ gaps and, through each call's `seed`, the same sampled tokens):
   that might not fit is refused before the server starts. Tool gaps 0.5-3 s, uniform.
 * Arrival: all sessions start at once (N concurrent first calls), after a warm-up of 4 concurrent
   2-turn sessions per model that is not counted.
-* The client: a 429 is retried after its Retry-After (default 2 s), at most 5 times. A session whose
-  FIRST call is still refused after that is *shed* (a new session turned away: allowed). A session
-  whose first call was answered 200 is *admitted*; any later failure of one of its calls (429 after
-  the retries, any other status, an in-band stream error, a stream without `[DONE]`, an attempt not
-  over within 180 s: queueing and streaming included) is a *failed call of an admitted session*,
-  and the session stops there.
+* The client: a refusal (below) is retried after its Retry-After (`retry-after-ms` when sent, as the
+  OpenAI and Anthropic SDKs read it; default 2 s), at most 5 times.
+
+**patient** (issue 33, "Overload that agents live through", as its report states it):
+* 200 sessions, all on `smollm2`, 6 turns each, the session shape above (tool results 200-600
+  characters, `max_tokens` 16-32); tool gaps 0.05-1.3 s, uniform.
+* Arrival: within 3 s, each session's start uniform in [0, 3] s, after the same warm-up (SmolLM2's
+  4 sessions only).
+* The client is patient: on a refusal it sleeps the Retry-After it was given, at most 30 s, and
+  retries the call up to 30 times.
+
+For both: a refusal is a 429, or a 503 (529 under /v1/messages) with code `over_capacity`; the
+client backs off on both, as the SDKs do. A session whose FIRST call is still refused after its
+retries *gave up* (shed: a new session turned away). A session whose first call was answered 200 is
+*admitted*; any later failure of one of its calls (refused after the retries, any other status, an
+in-band stream error, a stream without `[DONE]`, an attempt not over within 180 s: queueing and
+streaming included) is a *failed call of an admitted session*, and the session stops there. A
+first call that fails with anything but a refusal is a server error, not shedding.
 
 Measured: failed calls of admitted sessions; 429s to new sessions (first calls) and to admitted
-ones (retried); shed sessions; sessions in service at once (the most sessions between their first
-call's 200 and their last call's end, exact from the records; a 1 s timeline also goes to the JSON);
-TTFT p50/p95 from sending the answered attempt to the first delta with content (the role-only chunk
+ones (retried), 503 over-capacity refusals, and refusals per admitted session (its first call's
+included: the wait in line); the admitted fraction; goodput (calls of admitted
+sessions answered whole, per minute of the run); the longest wait from a session's start to its
+admission; sessions in service at once (the most sessions between their first call's 200 and
+their last call's end, exact from the records; a 1 s timeline also goes to the JSON); TTFT
+p50/p95 from sending the answered attempt to the first delta with content (the role-only chunk
 skipped; reasoning or tool-call deltas count); SCT p50/p95 (first attempt of the first call to the
 end of the last call, retries and gaps included) of finished sessions; the PSS (psutil
-`memory_full_info().pss`) of the supervisor and of each worker after warm-up and at the end.
-Targets at 200 sessions on the default config: zero failed calls of admitted sessions, zero calls
-failed with anything but a shedding 429, at least 32 sessions (all, when fewer) in service at
-once, every admitted session finishes, PSS growth below 20% for the supervisor and for each worker
-(each alone: a leak in the 80 MB supervisor would vanish in the 3 GB total). Progress goes to
-stderr, the table to stdout, everything to the JSON (default bench/results/load.json) and the server
-log beside it. Exits 1 and names the missed targets when one is missed.
+`memory_full_info().pss`) of the supervisor and of each worker after warm-up and at the end; the
+node's admission line and what it learned (`/talaria/telemetry` router.line, session_lengths).
+
+Targets (issue 33), on the default config. Wrong results, which `--no-gate` does not excuse: a
+failed call of an admitted session; a call failed with anything but a refusal the client gave up
+on. Targets: admitted calls' TTFT p95 within 1.5 x the instances' `ttft_s`; every session admitted
+(the admitted fraction 1: the clients follow Retry-After) and every admitted session finished;
+goodput at least 80% of the node's capacity at its TTFT target for the same workload, read from
+the sweep's JSON (no sweep, or a --quick one: not judged, a miss); PSS growth below 20% for the
+supervisor and for each worker (each alone: a leak in the 80 MB supervisor would vanish in the 3
+GB total). The patient workload adds: each session admitted within 10 minutes of its start, and at
+most 3 refusals per admitted session on average.
+
+**--sweep N1,N2,...**: the node's capacity at its TTFT target. One server, started with
+`[router] overload = "queue"`, `max_queued = 4096`, `queue_timeout_s = 600` (every call held until
+an instance takes it, none refused: the admission line would otherwise keep the concurrency below
+N); after the warm-up, for each N in turn, N sessions of the workload run closed-loop (a session
+that ends is replaced at once) for `SWEEP.ramp_s` (20 s), then `SWEEP.window_s` (45 s) are
+measured: TTFT p50/p95, from a call's first attempt, and calls per minute of the calls sent in the
+window; those calls get `SWEEP.tail_s` (30 s) more to end, and one still without a first token
+then counts with its wait so far. The capacity is the largest N whose TTFT p95 is within `ttft_s`
+(the target itself, not 1.5x) with no call failed, and its calls per minute the goodput the
+workload is judged against; its resolution is the sweep's steps. Written to
+bench/results/load-sweep-WORKLOAD.json; exits 1 when no N met the target. `--quick` shortens the
+points (5 s, 15 s, 15 s), to see the sweep run, and writes load-sweep-WORKLOAD-quick.json, which
+is not a capacity.
+
+Progress goes to stderr, the table to stdout, everything to the JSON (default
+bench/results/load-WORKLOAD.json) and the server log beside it. The verdict (bench/report.py's
+gate) is printed last: exits 1 when a target is missed (unless --no-gate), and on a wrong result
+whatever --no-gate says.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -62,7 +105,9 @@ import httpx
 import psutil
 from report import (  # bench/report.py, beside this script
     ProgressLog,
+    add_gate_flag,
     environment,
+    gate,
     render,
     write_json,
 )
@@ -72,6 +117,7 @@ from talaria.replay import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "talaria" / "talaria.toml"
+RESULTS = Path("bench/results")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +131,46 @@ class ModelShape:
 MODELS = {"smollm2": ModelShape(2, 8192, (4, 8), (200, 600)),
           "tiny-llama": ModelShape(4, 2048, (4, 6), (60, 150)),
           "tiny-qwen3": ModelShape(4, 2048, (4, 6), (60, 150))}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    models: dict[str, ModelShape]
+    sessions: int  # the default --sessions
+    gap_s: tuple[float, float]  # a tool gap, uniform
+    arrival_s: float  # sessions start uniform in [0, arrival_s]
+    retries: int  # on a refusal (429, or 503/529 over capacity), after its Retry-After
+    retry_cap_s: float | None  # a Retry-After longer than this is slept this long (None: as told)
+    admit_within_s: float | None  # target: every session admitted this soon after its start (None: none)
+    max_429_per_admitted: float | None  # target: refusals per admitted session, on average (None: none)
+
+
+WORKLOADS = {
+    "burst": Workload("burst", MODELS, 200, (0.5, 3.0), 0.0, 5, None, None, None),
+    "patient": Workload("patient", {"smollm2": ModelShape(10, 8192, (6, 6), (200, 600))}, 200, (0.05, 1.3), 3.0,
+                        30, 30.0, 600.0, 3.0),
+}
 SYSTEM = ("You are a coding agent working in a git checkout. Use the tools to read and edit files, run "
           "the tests after every change, and answer briefly.")  # 160 bytes with the model's name
 MAX_TOKENS = (16, 32)
-GAP_S = (0.5, 3.0)
-RETRIES = 5  # on a 429, after its Retry-After
+OVER_CAPACITY = (503, 529)  # with code over_capacity: backed off and retried as a 429 is (the SDKs retry both)
 CALL_DEADLINE_S = 180.0  # an attempt not over this long (held at the gateway or streaming) fails
 TEMPLATE_TOKENS = 40  # per message, an upper bound on what a chat template adds
 WARMUP_SESSIONS, WARMUP_TURNS = 4, 2  # per model
-TARGETS = {"max_in_service": 32, "pss_growth": 0.20}
+TARGETS = {"ttft_p95_x_target": 1.5, "goodput_of_capacity": 0.8, "pss_growth": 0.20}
+
+
+@dataclass(frozen=True, slots=True)
+class SweepTiming:
+    ramp_s: float  # closed-loop sessions settle
+    window_s: float  # then the calls sent in this window are measured
+    tail_s: float  # and get this long after it to answer; the rest are cut off (counted with their wait so far)
+    pause_s: float  # between points: cut-off calls leave the node
+
+
+SWEEP = SweepTiming(20.0, 45.0, 30.0, 5.0)
+SWEEP_QUICK = SweepTiming(5.0, 15.0, 15.0, 2.0)  # --quick: to see it run, not a capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +187,7 @@ class SessionPlan:
     model: str
     task: str
     turns: tuple[Turn, ...]
+    start_s: float = 0.0  # its first call, after the run's start
 
     def worst_prompt_tokens(self) -> int:
         """An upper bound on the last call's prompt and output: text bytes, replies at 3 per token."""
@@ -132,25 +210,27 @@ def tool_result(rng: random.Random, chars: int) -> str:
     return "\n".join(lines)[:chars]
 
 
-def mix(n: int, rng: random.Random) -> list[str]:
-    """`n` sessions' models in the shares of MODELS (by rounds of 10), shuffled."""
-    deck = [m for m, shape in MODELS.items() for _ in range(shape.share)]
-    models = [deck[i % len(deck)] for i in range(n)]
-    rng.shuffle(models)
-    return models
+def mix(n: int, rng: random.Random, models: dict[str, ModelShape] = MODELS) -> list[str]:
+    """`n` sessions' models in the shares of `models` (by rounds of 10), shuffled."""
+    deck = [m for m, shape in models.items() for _ in range(shape.share)]
+    picked = [deck[i % len(deck)] for i in range(n)]
+    rng.shuffle(picked)
+    return picked
 
 
-def plan_sessions(models: list[str], seed: int, prefix: str = "s", max_turns: int | None = None) -> list[SessionPlan]:
+def plan_sessions(models: list[str], seed: int, prefix: str = "s", max_turns: int | None = None,
+                  workload: Workload = WORKLOADS["burst"]) -> list[SessionPlan]:
     rng = random.Random(seed)
     plans = []
     for i, model in enumerate(models):
-        shape = MODELS[model]
+        shape = workload.models.get(model) or MODELS[model]
         k = min(rng.randint(*shape.turns), max_turns or shape.turns[1])
         turns = tuple(Turn("" if j == 0 else tool_result(rng, rng.randint(*shape.tool_chars)),
-                           0.0 if j == 0 else round(rng.uniform(*GAP_S), 3),
+                           0.0 if j == 0 else round(rng.uniform(*workload.gap_s), 3),
                            rng.randint(*MAX_TOKENS), rng.randrange(2**31)) for j in range(k))
         task = f"Task {i}: the test tests/test_mod_{rng.randrange(99)}.py fails; find the cause and fix it."
-        plans.append(SessionPlan(f"{prefix}-{seed}-{i}-{model}", model, task, turns))
+        start = round(rng.uniform(0.0, workload.arrival_s), 3) if workload.arrival_s else 0.0
+        plans.append(SessionPlan(f"{prefix}-{seed}-{i}-{model}", model, task, turns, start))
     return plans
 
 
@@ -158,7 +238,7 @@ def plan_sessions(models: list[str], seed: int, prefix: str = "s", max_turns: in
 
 class Outcome(Enum):
     FINISHED = "finished"  # every call succeeded
-    SHED = "shed"  # its first call was refused with 429 RETRIES + 1 times
+    SHED = "shed"  # its first call was refused retries + 1 times (429, or 503 over capacity): it gave up
     REFUSED = "refused"  # its first call failed with anything else: a server error, not shedding
     FAILED = "failed"  # admitted, then a call failed
 
@@ -173,9 +253,12 @@ class CallRecord:
     done_s: float = 0.0
     attempts: int = 0
     n429: int = 0
+    refused: int = 0  # 429s, and 503s or 529s over capacity, each retried after its Retry-After
+    gave_up: bool = False  # refused retries + 1 times: the client stopped asking
     status: int | None = None  # of the last attempt
     answered_s: float | None = None  # the 200's headers arrived: the router placed the call
     ttft_s: float | None = None  # the answered attempt sent -> its first content delta
+    first_token_s: float | None = None  # when that delta arrived (the sweep's TTFT is from sent_s, retries included)
     deltas: int = 0  # content deltas received (a call cut short: how far it got)
     last_delta_s: float | None = None
     completion_tokens: int | None = None
@@ -206,14 +289,17 @@ class SessionRecord:
 class Client:
     """Runs sessions on one httpx client; times are seconds since `t0` (perf_counter)."""
 
-    def __init__(self, http: httpx.AsyncClient, base_url: str, t0: float) -> None:
-        self.http, self.url, self.t0 = http, base_url + "/v1/chat/completions", t0
+    def __init__(self, http: httpx.AsyncClient, base_url: str, t0: float,
+                 workload: Workload = WORKLOADS["burst"]) -> None:
+        self.http, self.url, self.t0, self.workload = http, base_url + "/v1/chat/completions", t0, workload
         self.sessions: list[SessionRecord] = []
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def session(self, plan: SessionPlan) -> SessionRecord:
+    async def session(self, plan: SessionPlan, delay: bool = True) -> SessionRecord:
+        if delay and plan.start_s:
+            await asyncio.sleep(plan.start_s)
         rec = SessionRecord(plan.id, plan.model, len(plan.turns), start_s=self.now())
         self.sessions.append(rec)
         messages = [{"role": "system", "content": system_prompt(plan.model)}, {"role": "user", "content": plan.task}]
@@ -225,7 +311,7 @@ class Client:
             rec.calls.append(call)  # before it ends: the sampler sees its answer
             await self.call(plan, messages, turn, call)
             if i == 0 and call.answered_s is None:
-                rec.outcome = Outcome.SHED if call.status == 429 else Outcome.REFUSED
+                rec.outcome = Outcome.SHED if call.gave_up else Outcome.REFUSED
                 return rec
             rec.admitted_s = call.answered_s if i == 0 else rec.admitted_s
             if not call.ok:
@@ -247,12 +333,16 @@ class Client:
                 c.error = f"no end of the call within {CALL_DEADLINE_S:.0f} s (attempt {c.attempts})"
             except (httpx.HTTPError, ValueError) as exc:
                 c.error = f"{type(exc).__name__}: {exc}"
-            if c.status == 429 and c.error is None:
-                c.n429 += 1
-                if c.n429 <= RETRIES:
-                    await asyncio.sleep(retry_after)
+            retries, cap = self.workload.retries, self.workload.retry_cap_s
+            over_capacity = c.status in OVER_CAPACITY and "over_capacity" in (c.refusal or "")
+            if c.status == 429 and c.error is None or over_capacity:
+                c.n429 += c.status == 429
+                c.refused += 1
+                if c.refused <= retries:
+                    c.error = None
+                    await asyncio.sleep(retry_after if cap is None else min(cap, retry_after))
                     continue
-                c.error = f"429 after {RETRIES} retries"
+                c.error, c.gave_up = f"{c.status} after {retries} retries", True
             c.done_s = self.now()
             return
 
@@ -265,6 +355,8 @@ class Client:
                 c.refusal = (await r.aread()).decode(errors="replace")[:300]
                 if r.status_code != 429:
                     c.error = f"HTTP {r.status_code}: {c.refusal}"
+                if r.headers.get("retry-after-ms"):  # what the OpenAI and Anthropic SDKs read first
+                    return float(r.headers["retry-after-ms"]) / 1000
                 return float(r.headers.get("retry-after", 2))
             c.answered_s, done = self.now(), False
             async for line in r.aiter_lines():
@@ -286,7 +378,8 @@ class Client:
                     piece = delta.get("content") or ""
                     if piece or delta.get("reasoning_content") or delta.get("tool_calls"):
                         c.deltas, c.last_delta_s = c.deltas + 1, self.now()
-                        c.ttft_s = c.last_delta_s - sent if c.ttft_s is None else c.ttft_s
+                        if c.ttft_s is None:
+                            c.ttft_s, c.first_token_s = c.last_delta_s - sent, c.last_delta_s
                     c.text += piece
                     c.finish_reason = choice.get("finish_reason") or c.finish_reason
             if not done:
@@ -333,19 +426,20 @@ def instance_rows(telemetry: dict) -> dict[str, dict]:
     return out
 
 
-async def drive(base_url: str, warmup: list[SessionPlan], plans: list[SessionPlan], procs, log) -> dict:
+async def drive(base_url: str, warmup: list[SessionPlan], plans: list[SessionPlan], procs, log,
+                workload: Workload) -> dict:
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=len(plans) + 32, max_keepalive_connections=len(plans) + 32)
     timeout = httpx.Timeout(CALL_DEADLINE_S, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http, \
             httpx.AsyncClient(timeout=5.0) as probe:
-        warm = Client(http, base_url, t0)
+        warm = Client(http, base_url, t0, workload)
         await asyncio.gather(*(warm.session(p) for p in warmup))
         bad = [c.error for s in warm.sessions for c in s.calls if not c.ok]
         log(f"warm-up: {len(warmup)} sessions, {sum(len(s.calls) for s in warm.sessions)} calls, "
             f"{len(bad)} failed{': ' + bad[0] if bad else ''}")
         pss_warm = pss(procs)
-        client, timeline = Client(http, base_url, time.perf_counter()), []
+        client, timeline = Client(http, base_url, time.perf_counter(), workload), []
 
         async def sample() -> None:
             while True:
@@ -357,7 +451,10 @@ async def drive(base_url: str, warmup: list[SessionPlan], plans: list[SessionPla
                        "waiting_first_call": sum(not p and r.outcome is None for p, r in zip(placed, s)),
                        "done": sum(r.outcome is not None for r in s)}
                 try:
-                    row["instances"] = instance_rows((await probe.get(base_url + "/talaria/telemetry")).json())
+                    t = (await probe.get(base_url + "/talaria/telemetry")).json()
+                    row["instances"] = instance_rows(t)
+                    line = t["router"].get("line") or {}
+                    row["line"] = {k: line.get(k) for k in ("waiting", "scale", "counts")}
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                     row["telemetry_error"] = f"{type(exc).__name__}: {exc}"
                 timeline.append(row)
@@ -366,7 +463,8 @@ async def drive(base_url: str, warmup: list[SessionPlan], plans: list[SessionPla
                                       f"{i['kv_pages_total']}, {i['preemptions']} preempted"
                                       for n, i in row.get("instances", {}).items())
                     log(f"t={row['t_s']:.0f}s in service {row['in_service']}, waiting first call "
-                        f"{row['waiting_first_call']}, done {row['done']}/{len(plans)}; {insts}")
+                        f"{row['waiting_first_call']} (line {row.get('line', {}).get('waiting')}), "
+                        f"done {row['done']}/{len(plans)}; {insts}")
 
         sampler = asyncio.create_task(sample())
         await asyncio.gather(*(client.session(p) for p in plans))
@@ -395,29 +493,35 @@ def pct(values: list[float], q: float) -> float | None:
     return percentile(values, q) if values else None
 
 
-def summarize(sessions: list[SessionRecord]) -> dict:
+def summarize(sessions: list[SessionRecord], wall_s: float | None = None) -> dict:
     calls = [c for s in sessions for c in s.calls]
     admitted = [s for s in sessions if s.admitted_s is not None]
     ok = [c for s in admitted for c in s.calls if c.ok]
     ttft = [c.ttft_s for c in ok if c.ttft_s is not None]
     sct = [s.end_s - s.start_s for s in sessions if s.outcome is Outcome.FINISHED]
     prompt = sum(c.prompt_tokens or 0 for c in ok)
+    waits = [s.admitted_s - s.start_s for s in admitted]
+    refusals_admitted = sum(c.refused for s in admitted for c in s.calls)  # a 503 over capacity counts as a 429
     return {
         "sessions": len(sessions), "admitted": len(admitted),
+        "admitted_fraction": len(admitted) / len(sessions) if sessions else None,
         "finished": sum(s.outcome is Outcome.FINISHED for s in sessions),
         "shed": sum(s.outcome is Outcome.SHED for s in sessions),
         "refused_with_error": sum(s.outcome is Outcome.REFUSED for s in sessions),
         "admitted_unfinished": sum(s.outcome is not Outcome.FINISHED for s in admitted),
         "failed_calls_admitted": sum(not c.ok for s in admitted for c in s.calls),
-        "failed_calls_not_429": sum(not c.ok and c.status != 429 for c in calls),
+        "failed_calls_not_refused": sum(not c.ok and not c.gave_up for c in calls),
         "new_session_429s": sum(s.calls[0].n429 for s in sessions),
         "admitted_session_429s": sum(c.n429 for s in admitted for c in s.calls[1:]),
+        "over_capacity_refusals": sum(c.refused - c.n429 for c in calls),
+        "mean_429_per_admitted": refusals_admitted / len(admitted) if admitted else None,
         "max_in_service": max_overlap([(s.admitted_s, s.end_s) for s in admitted if s.end_s is not None]),
         "calls": len(calls), "calls_ok": len(ok), "calls_without_content": sum(c.ttft_s is None for c in ok),
+        "goodput_calls_per_min": len(ok) / wall_s * 60 if wall_s else None,
         "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
         "sct_p50_s": pct(sct, 50), "sct_p95_s": pct(sct, 95),
         "prompt_tokens": prompt, "cached_fraction": sum(c.cached_tokens or 0 for c in ok) / prompt if prompt else None,
-        "first_call_wait_p95_s": pct([s.admitted_s - s.start_s for s in admitted], 95),
+        "first_call_wait_p95_s": pct(waits, 95), "first_call_wait_max_s": max(waits) if waits else None,
     }
 
 
@@ -431,36 +535,71 @@ def pss_growth(warm: dict, end: dict) -> dict:
     return out
 
 
-def misses(s: dict, growth: dict, in_service: int) -> list[str]:
-    """The targets missed; `in_service`: the sessions in service at once required (fewer with fewer sessions)."""
-    out = []
+def misses(s: dict, growth: dict, workload: Workload, ttft_target_s: float,
+           capacity: dict | None) -> tuple[list[str], list[str]]:
+    """(targets missed, wrong results) of a run's summary: see the module docstring. `capacity`: the
+    sweep's result for this workload (None: not measured, so goodput is not judged, a miss)."""
+    missed, wrong = [], []
     if s["failed_calls_admitted"]:
-        out.append(f"{s['failed_calls_admitted']} failed calls of admitted sessions (target 0; errors in the JSON)")
-    if s["failed_calls_not_429"]:
-        out.append(f"{s['failed_calls_not_429']} calls failed with something other than a 429 (target 0)")
-    if s["max_in_service"] < in_service:
-        out.append(f"{s['max_in_service']} sessions in service at once (target >= {in_service})")
+        wrong.append(f"{s['failed_calls_admitted']} failed calls of admitted sessions (target 0; errors in the JSON)")
+    if s["failed_calls_not_refused"]:
+        wrong.append(f"{s['failed_calls_not_refused']} calls failed with something other than a refusal the client "
+                     f"gave up on (target 0)")
     if s["admitted_unfinished"]:
-        out.append(f"{s['admitted_unfinished']} admitted sessions did not finish (target 0)")
+        missed.append(f"{s['admitted_unfinished']} admitted sessions did not finish (target 0)")
+    bound = TARGETS["ttft_p95_x_target"] * ttft_target_s
+    if s["ttft_p95_s"] is None or s["ttft_p95_s"] > bound:
+        p95 = "-" if s["ttft_p95_s"] is None else f"{s['ttft_p95_s']:.2f}"
+        missed.append(f"admitted calls' TTFT p95 {p95} s (target <= {bound:g} s, "
+                      f"{TARGETS['ttft_p95_x_target']:g} x ttft_s)")
+    if s["admitted"] < s["sessions"]:
+        missed.append(f"admitted fraction {s['admitted_fraction']:.2f}: {s['admitted']} of {s['sessions']} sessions, "
+                      f"{s['shed']} gave up after {workload.retries} retries (target: all; the clients follow "
+                      f"Retry-After)")
+    if workload.admit_within_s is not None and (s["first_call_wait_max_s"] or 0) > workload.admit_within_s:
+        missed.append(f"a session waited {s['first_call_wait_max_s']:.0f} s to be admitted "
+                      f"(target <= {workload.admit_within_s:.0f} s)")
+    most = workload.max_429_per_admitted
+    if most is not None and (s["mean_429_per_admitted"] is None or s["mean_429_per_admitted"] > most):
+        mean = "-" if s["mean_429_per_admitted"] is None else f"{s['mean_429_per_admitted']:.2f}"
+        missed.append(f"{mean} 429s per admitted session (target <= {most:g})")
+    if capacity is None or capacity.get("capacity_calls_per_min") is None:
+        missed.append(f"goodput {s['goodput_calls_per_min']:.1f} calls/min not judged: no capacity measured for "
+                      f"the {workload.name} workload (run --sweep first)")
+    elif s["goodput_calls_per_min"] < TARGETS["goodput_of_capacity"] * capacity["capacity_calls_per_min"]:
+        missed.append(f"goodput {s['goodput_calls_per_min']:.1f} calls/min (target >= "
+                      f"{TARGETS['goodput_of_capacity']:.0%} of the capacity, "
+                      f"{capacity['capacity_calls_per_min']:.1f} calls/min at {capacity['capacity_sessions']} sessions)")
     for name, g in growth.items():
         if g["growth"] is None or g["growth"] >= TARGETS["pss_growth"]:
-            out.append(f"PSS of {name}: {g['warm_mib']:.0f} -> {g['end_mib']:.0f} MiB "
-                       f"(target growth < {TARGETS['pss_growth']:.0%}; None: the process is gone)")
-    return out
+            missed.append(f"PSS of {name}: {g['warm_mib']:.0f} -> {g['end_mib']:.0f} MiB "
+                          f"(target growth < {TARGETS['pss_growth']:.0%}; None: the process is gone)")
+    return missed, wrong
 
 
-def table(s: dict, per_model: dict, growth: dict, in_service: int) -> str:
+def table(s: dict, per_model: dict, growth: dict, workload: Workload, ttft_target_s: float,
+          capacity: dict | None) -> str:
     def f(v, scale=1.0, digits=2):
         return "-" if v is None else f"{v * scale:.{digits}f}"
 
+    cap = capacity.get("capacity_calls_per_min") if capacity else None
     rows = [("metric", "value", "target")]
-    for key, target in (("sessions", ""), ("admitted", ""), ("finished", ""), ("shed", ""),
-                        ("admitted_unfinished", "0"), ("failed_calls_admitted", "0"), ("failed_calls_not_429", "0"),
-                        ("new_session_429s", ""), ("admitted_session_429s", ""), ("max_in_service", f">= {in_service}"),
-                        ("calls", ""), ("calls_without_content", "")):
+    for key, target in (("sessions", ""), ("admitted", "all"), ("finished", ""), ("shed", "0"),
+                        ("admitted_unfinished", "0"), ("failed_calls_admitted", "0"), ("failed_calls_not_refused", "0"),
+                        ("new_session_429s", ""), ("admitted_session_429s", ""), ("over_capacity_refusals", ""),
+                        ("max_in_service", ""), ("calls", ""), ("calls_ok", ""), ("calls_without_content", "")):
         rows.append((key, str(s[key]), target))
-    for key in ("ttft_p50_s", "ttft_p95_s", "sct_p50_s", "sct_p95_s", "first_call_wait_p95_s"):
+    rows.append(("admitted_fraction", f(s["admitted_fraction"]), "1.00"))
+    most = workload.max_429_per_admitted
+    rows.append(("mean_429_per_admitted", f(s["mean_429_per_admitted"]), "" if most is None else f"<= {most:g}"))
+    rows.append(("goodput_calls_per_min", f(s["goodput_calls_per_min"], digits=1),
+                 "-" if cap is None else f">= {TARGETS['goodput_of_capacity'] * cap:.1f} (capacity {cap:.1f})"))
+    rows.append(("ttft_p50_s", f(s["ttft_p50_s"]), ""))
+    rows.append(("ttft_p95_s", f(s["ttft_p95_s"]), f"<= {TARGETS['ttft_p95_x_target'] * ttft_target_s:g}"))
+    for key in ("sct_p50_s", "sct_p95_s", "first_call_wait_p95_s"):
         rows.append((key, f(s[key]), ""))
+    within = workload.admit_within_s
+    rows.append(("first_call_wait_max_s", f(s["first_call_wait_max_s"]), "" if within is None else f"<= {within:g}"))
     rows.append(("cached_fraction", f(s["cached_fraction"]), ""))
     for model, m in per_model.items():
         rows.append((f"{model}: admitted/finished/shed", f"{m['admitted']}/{m['finished']}/{m['shed']}", ""))
@@ -478,7 +617,7 @@ def failed_calls(sessions: list[SessionRecord]) -> list[dict]:
     many placed meanwhile means it was passed over, not that nothing could run."""
     calls = [c for s in sessions for c in s.calls]
     out = []
-    for c in (c for s in sessions for c in s.calls if not c.ok and (s.admitted_s is not None or c.status != 429)):
+    for c in (c for s in sessions for c in s.calls if not c.ok and (s.admitted_s is not None or not c.gave_up)):
         meanwhile = [o for o in calls if o.model == c.model and o.session != c.session and o.answered_s is not None
                      and c.sent_s < o.answered_s < c.done_s]
         out.append(asdict(c) | {"text": c.text[:80], "placed_meanwhile": len(meanwhile),
@@ -492,49 +631,167 @@ def server_log_problems(path: Path, limit: int = 60) -> list[str]:
     return lines[:limit]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=200, help="concurrent agent sessions")
-    ap.add_argument("--quick", action="store_true", help="20 sessions (debugging)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
-    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="must serve " + ", ".join(MODELS))
-    ap.add_argument("--json", type=Path, default=Path("bench/results/load.json"), help="where to write results")
-    args = ap.parse_args(argv)
-    n = 20 if args.quick else args.sessions
-    if n < 1:
-        ap.error("--sessions must be at least 1")
-    plans = plan_sessions(mix(n, random.Random(args.seed)), args.seed)
-    warmup = plan_sessions([m for m in MODELS for _ in range(WARMUP_SESSIONS)], -1 - args.seed, "warmup", WARMUP_TURNS)
-    too_long = [(p.id, p.model, n_tokens) for p in plans
-                if (n_tokens := p.worst_prompt_tokens()) > MODELS[p.model].context]
-    if too_long:
-        ap.error(f"{len(too_long)} sessions might outgrow their model's context, first {too_long[0]}")
+# ---- the capacity sweep ------------------------------------------------------------------------------
 
-    log = ProgressLog()
-    load_start = os.getloadavg()[0]
-    server_log = args.json.with_name(args.json.stem + "-server.log")
+QUEUE_ROUTER = {"overload": '"queue"', "max_queued": "4096", "queue_timeout_s": "600.0"}
+
+
+def queue_config(config: Path, out: Path) -> Path:
+    """`config` with `[router] overload = "queue"` and room to hold every call as long as the SDKs wait
+    (`QUEUE_ROUTER`): no call refused, so N sessions really are N at once."""
+    lines, section = [], None
+    for line in config.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            section = stripped
+        elif section == "[router]" and stripped.split("=")[0].strip() in QUEUE_ROUTER:
+            continue  # replaced below
+        lines.append(line)
+        if stripped == "[router]":
+            lines += [f"{k} = {v}" for k, v in QUEUE_ROUTER.items()]
+    if "[router]" not in (x.strip() for x in lines):
+        lines += ["", "[router]", *(f"{k} = {v}" for k, v in QUEUE_ROUTER.items())]
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+async def sweep_point(http: httpx.AsyncClient, base_url: str, workload: Workload, n: int, seed: int,
+                      timing: SweepTiming, log) -> dict:
+    """`n` sessions closed-loop (one that ends is replaced at once) for `timing.ramp_s +
+    timing.window_s`; the calls sent in the window measured, their TTFT from their first attempt."""
+    client = Client(http, base_url, time.perf_counter(), workload)
+    stop = timing.ramp_s + timing.window_s
+    pool = iter(plan_sessions(mix(20 * n + 100, random.Random(seed), workload.models), seed, f"sweep{n}",
+                              workload=workload))
+
+    async def slot() -> None:
+        while client.now() < stop:
+            await client.session(next(pool), delay=False)
+
+    try:
+        async with asyncio.timeout(stop + timing.tail_s):
+            await asyncio.gather(*(slot() for _ in range(n)))
+    except TimeoutError:
+        pass  # sessions still running are cut off: their calls are cancelled, their clients disconnect
+    wall = client.now()
+    window = [c for r in client.sessions for c in r.calls if timing.ramp_s <= c.sent_s < stop]
+    ok = [c for c in window if c.ok and c.done_s]
+    # a call with no first token by the cut-off has waited at least until then: counted so
+    ttft = [c.first_token_s - c.sent_s if c.first_token_s is not None else wall - c.sent_s
+            for c in window if c.first_token_s is not None or not c.done_s]
+    point = {"sessions": n, "calls": len(window), "calls_ok": len(ok), "cut_off": sum(not c.done_s for c in window),
+             "failed": sum(bool(c.done_s) and not c.ok for c in window), "refused": sum(c.refused for c in window),
+             "calls_per_min": len(ok) / timing.window_s * 60, "ttft_p50_s": pct(ttft, 50),
+             "ttft_p95_s": pct(ttft, 95), "wall_s": wall}
+    log(f"sweep: {n} sessions: {len(ok)} calls in {timing.window_s:.0f} s ({point['calls_per_min']:.1f}/min), "
+        f"TTFT p50 {point['ttft_p50_s'] or 0:.2f} p95 {point['ttft_p95_s'] or 0:.2f} s, {point['failed']} failed, "
+        f"{point['cut_off']} cut off, {point['refused']} refused")
+    await asyncio.sleep(timing.pause_s)
+    return point
+
+
+async def sweep(base_url: str, workload: Workload, counts: list[int], seed: int, timing: SweepTiming,
+                log) -> list[dict]:
+    limits = httpx.Limits(max_connections=max(counts) + 32, max_keepalive_connections=max(counts) + 32)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(CALL_DEADLINE_S, connect=10.0), limits=limits) as http:
+        warm = Client(http, base_url, time.perf_counter(), workload)
+        await asyncio.gather(*(warm.session(p, delay=False) for p in plan_sessions(
+            [m for m in workload.models for _ in range(WARMUP_SESSIONS)], -1 - seed, "warmup", WARMUP_TURNS,
+            workload)))
+        return [await sweep_point(http, base_url, workload, n, seed + i, timing, log) for i, n in enumerate(counts)]
+
+
+def capacity_of(points: list[dict], ttft_target_s: float) -> dict:
+    """The largest swept concurrency whose TTFT p95 met the target (no call failed), with its calls per
+    minute: the goodput a run of the workload is judged against."""
+    met = [p for p in points if p["ttft_p95_s"] is not None and p["ttft_p95_s"] <= ttft_target_s and not p["failed"]]
+    best = max(met, key=lambda p: p["sessions"]) if met else None
+    return {"ttft_target_s": ttft_target_s, "capacity_sessions": best["sessions"] if best else None,
+            "capacity_calls_per_min": best["calls_per_min"] if best else None, "points": points}
+
+
+def ttft_target(config: Path, models) -> float:
+    """The TTFT target of the instances serving `models` (the smallest, if they differ)."""
+    instances = tomllib.loads(config.read_text())["instances"]
+    return min(i.get("ttft_s", 2.0) for i in instances if set(i["models"]) & set(models))
+
+
+def run_sweep(args, workload: Workload, target_s: float, log: ProgressLog, load_start: float) -> int:
+    timing = SWEEP_QUICK if args.quick else SWEEP
+    out = args.json or RESULTS / f"load-sweep-{workload.name}{'-quick' if args.quick else ''}.json"
+    server_log = out.with_name(out.stem + "-server.log")
     server_log.parent.mkdir(parents=True, exist_ok=True)
-    log(f"{n} sessions ({', '.join(f'{m}: {sum(p.model == m for p in plans)}' for m in MODELS)}), "
+    config = queue_config(args.config, out.with_name(out.stem + "-config.toml"))
+    log(f"sweep of {workload.name} at {args.sweep} sessions, {asdict(timing)}; {config} (overload = queue); "
+        f"server log {server_log}")
+    proc, base_url = start_server(config, server_log)
+    try:
+        wait_healthy(proc, base_url, server_log)
+        points = asyncio.run(sweep(base_url, workload, args.sweep, args.seed, timing, log))
+    finally:
+        stop_server(proc)
+    result = capacity_of(points, target_s) | {
+        "workload": workload.name, "seed": args.seed, "quick": args.quick, "timing": asdict(timing),
+        "config": str(config), "server_log_problems": server_log_problems(server_log), **environment(log, load_start)}
+    rows = [("sessions", "calls/min", "TTFT p50 s", "TTFT p95 s", "calls", "cut off", "refused", "failed")]
+    rows += [(str(p["sessions"]), f"{p['calls_per_min']:.1f}", f"{p['ttft_p50_s'] or 0:.2f}",
+              f"{p['ttft_p95_s'] or 0:.2f}", str(p["calls"]), str(p["cut_off"]), str(p["refused"]), str(p["failed"]))
+             for p in points]
+    print(render(rows))
+    cap = result["capacity_calls_per_min"]
+    print(f"capacity at TTFT p95 <= {target_s:g} s: {result['capacity_sessions']} sessions, "
+          f"{'-' if cap is None else f'{cap:.1f}'} calls/min")
+    write_json(out, result, log)
+    wrong = [f"{p['failed']} calls failed at {p['sessions']} sessions (errors: a wrong result)"
+             for p in points if p["failed"]]
+    missed = [] if cap is not None else [f"no swept concurrency met TTFT p95 <= {target_s:g} s"]
+    return gate(missed, wrong, args.no_gate)
+
+
+def run_load(args, workload: Workload, target_s: float, log: ProgressLog, load_start: float) -> int:
+    n = 20 if args.quick else (args.sessions or workload.sessions)
+    plans = plan_sessions(mix(n, random.Random(args.seed), workload.models), args.seed, workload=workload)
+    models = list(workload.models)
+    warmup = [dataclasses.replace(p, start_s=0.0) for p in plan_sessions(
+        [m for m in models for _ in range(WARMUP_SESSIONS)], -1 - args.seed, "warmup", WARMUP_TURNS, workload)]
+    too_long = [(p.id, p.model, n_tokens) for p in plans
+                if (n_tokens := p.worst_prompt_tokens()) > workload.models[p.model].context]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} sessions might outgrow their model's context, first {too_long[0]}")
+    out = args.json or RESULTS / f"load-{workload.name}.json"
+    capacity_path = args.capacity or RESULTS / f"load-sweep-{workload.name}.json"
+    capacity = json.loads(capacity_path.read_text()) if capacity_path.exists() else None
+    if capacity is not None and capacity.get("quick"):
+        log(f"{capacity_path} is a --quick sweep, not a capacity: goodput not judged")
+        capacity = None
+
+    server_log = out.with_name(out.stem + "-server.log")
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{workload.name}: {n} sessions ({', '.join(f'{m}: {sum(p.model == m for p in plans)}' for m in models)}), "
         f"{sum(len(p.turns) for p in plans)} calls; server log {server_log}")
     proc, base_url = start_server(args.config, server_log)
     try:
         wait_healthy(proc, base_url, server_log)
         log(f"serving on {base_url}; warm-up")
-        run = asyncio.run(drive(base_url, warmup, plans, processes(proc, args.config), log))
+        run = asyncio.run(drive(base_url, warmup, plans, processes(proc, args.config), log, workload))
     finally:
         stop_server(proc)
     sessions = run["sessions"]
-    summary = summarize(sessions)
-    per_model = {m: summarize([s for s in sessions if s.model == m]) for m in MODELS}
+    summary = summarize(sessions, run["wall_s"])
+    per_model = {m: summarize([s for s in sessions if s.model == m]) for m in models}
     growth = pss_growth(run["pss_warm"], run["pss_end"])
-    in_service = min(TARGETS["max_in_service"], n)
-    missed = misses(summary, growth, in_service)
+    missed, wrong = misses(summary, growth, workload, target_s, capacity)
     result = {
         "summary": {**summary, "run_wall_s": run["wall_s"]}, "per_model": per_model, "pss_growth": growth,
-        "targets": TARGETS, "passed": not missed, "missed": missed,
-        "workload": {"sessions": n, "seed": args.seed, "config": str(args.config), "arrival": "all at once",
-                     "models": {m: asdict(s) for m, s in MODELS.items()}, "max_tokens": MAX_TOKENS, "gap_s": GAP_S,
-                     "retries": RETRIES, "call_deadline_s": CALL_DEADLINE_S,
+        "targets": TARGETS | {"ttft_s": target_s, "admit_within_s": workload.admit_within_s,
+                              "max_429_per_admitted": workload.max_429_per_admitted},
+        "capacity": capacity and {"path": str(capacity_path)} | {
+            k: capacity.get(k) for k in ("capacity_sessions", "capacity_calls_per_min", "ttft_target_s", "date")},
+        "passed": not missed and not wrong, "missed": missed, "wrong": wrong,
+        "workload": {"name": workload.name, "sessions": n, "seed": args.seed, "config": str(args.config),
+                     "arrival_s": workload.arrival_s, "models": {m: asdict(s) for m, s in workload.models.items()},
+                     "max_tokens": MAX_TOKENS, "gap_s": workload.gap_s, "retries": workload.retries,
+                     "retry_cap_s": workload.retry_cap_s, "call_deadline_s": CALL_DEADLINE_S,
                      "warmup": {"sessions_per_model": WARMUP_SESSIONS, "turns": WARMUP_TURNS}},
         "pss_warm": run["pss_warm"], "pss_end": run["pss_end"], "router": run["router"],
         "timeline": run["timeline"], "server_log": str(server_log),
@@ -546,11 +803,38 @@ def main(argv: list[str] | None = None) -> int:
                                 for c in s.calls]} for s in sessions],
         **environment(log, load_start),
     }
-    print(table(summary, per_model, growth, in_service))
-    write_json(args.json, result, log)
-    for m in missed:
-        print(f"bench/load.py: FAIL: {m}", file=sys.stderr)
-    return 1 if missed else 0
+    print(table(summary, per_model, growth, workload, target_s, capacity))
+    line = (run["router"] or {}).get("line") or {}
+    print(f"admission line: {line.get('counts')}, scale {line.get('scale')}, "
+          f"promise error {line.get('promise_error_s')}")
+    write_json(out, result, log)
+    return gate(missed, wrong, args.no_gate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="burst", help="see the module docstring")
+    ap.add_argument("--sessions", type=int, default=None, help="agent sessions (default: the workload's, 200)")
+    ap.add_argument("--quick", action="store_true", help="20 sessions; with --sweep, short points (debugging)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="must serve " + ", ".join(MODELS))
+    ap.add_argument("--json", type=Path, default=None, help="where to write results (default bench/results/...)")
+    ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="measure the capacity instead: these concurrencies, e.g. 2,4,8,12")
+    ap.add_argument("--capacity", type=Path, default=None,
+                    help="the sweep's JSON goodput is judged against (default bench/results/load-sweep-WORKLOAD.json)")
+    add_gate_flag(ap)
+    args = ap.parse_args(argv)
+    if args.sessions is not None and args.sessions < 1:
+        ap.error("--sessions must be at least 1")
+    if args.sweep is not None and min(args.sweep) < 1:
+        ap.error("--sweep: every concurrency must be at least 1")
+    workload = WORKLOADS[args.workload]
+    target_s = ttft_target(args.config, workload.models)
+    log, load_start = ProgressLog(), os.getloadavg()[0]
+    if args.sweep:
+        return run_sweep(args, workload, target_s, log, load_start)
+    return run_load(args, workload, target_s, log, load_start)
 
 
 if __name__ == "__main__":
