@@ -3,26 +3,33 @@ under the event log, and a SIGTERM with calls in flight, each against a real `ta
 
 One server serves the module (tiny synthetic models: a hot instance on one rank, a cold one on
 two ranks with a short watchdog); the SIGTERM test ends it, so it runs last. Throughout, `/health`
-is polled from a thread: it must answer fast whatever the instances are doing.
+is polled from a thread: whatever the instances are doing, every answer comes within 0.5 s and is a
+200, or the documented 503 naming the instance the test made fail; an error in the probe fails the
+test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Self
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import Server, living, served, wait_for
+from tests.conftest import Server, free_port, living, served, wait_for
 from tests.test_lifecycle import SYNTHETIC_MODELS
 
 pytestmark = pytest.mark.slow
@@ -52,40 +59,122 @@ stall_s = {STALL_S}
 """
 
 
-class HealthProbe:
-    """Polls `/health` from a thread every 20 ms and records how long each answer took."""
+WORST_HEALTH_S = 0.5  # the slowest /health answer allowed, whatever the instances and 200 callers are doing
 
-    def __init__(self, server: Server) -> None:
-        self.url = server.base_url + "/health"
-        self.latencies: list[float] = []
-        self.statuses: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+# The probe runs in a process of its own: in the test's process a full garbage collection (torch and
+# pytest make ~260,000 objects to walk) held the GIL for 0.4-0.9 s while 200 calls were answered, and
+# the probe thread, waiting for the GIL, counted it against the gateway (the 1.04 s once measured).
+PROBE = """
+import json, sys, threading, time
+import httpx
+url, out = sys.argv[1], open(sys.argv[2], "w", buffering=1)  # line by line: kept if it dies
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()  # EOF: the test is done
+with httpx.Client(timeout=10) as client:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        r = client.get(url)
+        out.write(json.dumps([t0, time.perf_counter() - t0, r.status_code, r.json()]) + "\\n")
+        if not sys.stdout.closed:
+            print("ready", flush=True)  # the first answer is in
+            sys.stdout.close()
+        stop.wait(0.02)
+"""
+
+
+@dataclass(frozen=True)
+class HealthAnswer:
+    at: float  # time.perf_counter() (CLOCK_MONOTONIC, the same in every process) when it was asked
+    latency_s: float
+    status: int
+    body: dict
+
+
+class ProbeFailed(AssertionError):
+    """The probe process ended in an error: what it sampled cannot vouch for the gateway."""
+
+
+class HealthProbe:
+    """Polls `/health` every 20 ms from a process of its own and records each answer and how long it
+    took. An error there (a timeout, a refused connection, a body that is not JSON) ends the probe and
+    fails the test when the `with` block ends, or on entering it: a probe that died checks nothing."""
+
+    def __init__(self, base_url: str, folder: Path) -> None:
+        self.url = base_url + "/health"
+        self._out = folder / f"health-{time.monotonic_ns()}.jsonl"
+        self._proc: subprocess.Popen | None = None
+        self.answers: list[HealthAnswer] = []
 
     def __enter__(self) -> Self:
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "-c", PROBE, self.url, str(self._out)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self._proc.stdout.readline() != "ready\n":  # its first answer is in: sampling runs
+            self._end()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._end(raising=exc_type is None)
 
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                status = client.get(self.url).status_code
-                self.latencies.append(time.perf_counter() - t0)
-                self.statuses.append(status)
-                self._stop.wait(0.02)
+    def ended(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the probe to end by itself (it does only on an error)."""
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
-    def assert_fast(self) -> None:
-        lat = sorted(self.latencies)
-        assert len(lat) > 20, "the probe must have run throughout"
+    def _end(self, raising: bool = True) -> None:
+        proc = self._proc
+        proc.stdin.close()  # its signal to stop
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with proc.stdout, proc.stderr:
+            err = proc.stderr.read()
+        lines = self._out.read_text().splitlines() if self._out.exists() else []
+        self.answers = [HealthAnswer(*json.loads(line)) for line in lines]
+        if proc.returncode != 0 and raising:
+            raise ProbeFailed(f"the /health probe failed after {len(self.answers)} answers:\n{err[-2000:]}")
+
+    def assert_fast(self, unhealthy: str | None = None) -> None:
+        """Every answer within WORST_HEALTH_S (p99 under 0.1 s), and each a 200, or the documented 503
+        (docs/operations.md: "unavailable", the instance listed unhealthy with its state) naming only
+        `unhealthy` as unhealthy, the instance the test makes fail."""
+        assert len(self.answers) > 20, "the probe must have run throughout"
+        for a in self.answers:
+            instances = a.body.get("instances", {})
+            down = {name for name, i in instances.items() if not i["healthy"]}
+            documented = a.status == 503 and a.body.get("status") == "unavailable" and down == {unhealthy} and \
+                instances[unhealthy]["state"] in ("ready", "restarting", "starting")
+            assert a.status == 200 and a.body.get("status") == "ok" and not down or documented, \
+                f"/health answered {a.status} {a.body}"
+        lat = sorted(a.latency_s for a in self.answers)
         p99 = lat[int(0.99 * (len(lat) - 1))]
-        # a loop blocked by a stopped rank answers only when the rank resumes (STOPPED_S later); the
-        # gateway's own work on 200 calls arriving at once has taken up to 1.04 s on a loaded 2-core machine
-        assert p99 < 0.1 and lat[-1] < STOPPED_S * 2 / 3, f"/health p99 {p99 * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms"
+        worst = max(self.answers, key=lambda a: a.latency_s)
+        assert p99 < 0.1 and worst.latency_s < WORST_HEALTH_S, \
+            f"/health p99 {p99 * 1e3:.1f} ms, max {worst.latency_s * 1e3:.1f} ms " \
+            f"({worst.at - self.answers[0].at:.2f} s into the probe, at {worst.at:.2f}); over 0.1 s: " \
+            f"{[(round(a.at, 2), round(a.latency_s * 1e3)) for a in self.answers if a.latency_s > 0.1][:20]}"
+
+
+def test_an_error_in_the_health_probe_fails_the_test(tmp_path):
+    """A probe whose server goes away after its first answers (a real one on loopback, closed): the
+    probe's next request fails (refused or reset), and leaving the `with` raises that error instead of
+    passing on the answers it got. A probe that cannot start at all fails on entering it."""
+    (tmp_path / "health").write_text(json.dumps({"status": "ok", "instances": {}}))
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    with pytest.raises(ProbeFailed, match="httpx"), HealthProbe(f"http://127.0.0.1:{site.server_port}",
+                                                                 tmp_path) as probe:
+        site.shutdown()
+        site.server_close()
+        assert probe.ended(10)
+    assert probe.answers and all(a.status == 200 for a in probe.answers)
+    with pytest.raises(ProbeFailed, match="ConnectError"), HealthProbe(f"http://127.0.0.1:{free_port()}", tmp_path):
+        pass
 
 
 @dataclass
@@ -96,14 +185,16 @@ class Node:
 
     server: Server
     ranks: dict[str, list[int]]
+    folder: Path  # the server's config and log; the probes' answers
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory) -> Node:
-    with served(tmp_path_factory.mktemp("isolation"), CONFIG) as srv:
+    folder = tmp_path_factory.mktemp("isolation")
+    with served(folder, CONFIG) as srv:
         pids = srv.worker_pids()
         assert len(pids) == 3, pids
-        yield Node(srv, {HOT: pids[:1], COLD: pids[1:]})
+        yield Node(srv, {HOT: pids[:1], COLD: pids[1:]}, folder)
 
 
 def restarts(server: Server) -> dict[str, int]:
@@ -135,7 +226,7 @@ def test_a_rank_0_that_stops_reading_its_pipe_stalls_no_one(node):
                     for p in prompts]
             return [r.status_code for r in await asyncio.gather(*sent)]
 
-    with HealthProbe(node.server) as probe:
+    with HealthProbe(node.server.base_url, node.folder) as probe:
         os.kill(rank0, signal.SIGSTOP)
         try:
             resumer = threading.Timer(STOPPED_S, os.kill, (rank0, signal.SIGCONT))
@@ -156,7 +247,7 @@ def test_a_stalled_rank_fails_its_calls_and_the_group_restarts(node):
     old = node.ranks[COLD]
     body = {"model": "tiny-qwen3", "prompt": "once upon a time", "max_tokens": 1500, "stream": True,
             "ignore_eos": True, "temperature": 0}
-    with HealthProbe(node.server) as probe, httpx.stream("POST", node.server.api + "/completions", json=body,
+    with HealthProbe(node.server.base_url, node.folder) as probe, httpx.stream("POST", node.server.api + "/completions", json=body,
                                                   timeout=120) as resp:
         lines = resp.iter_lines()
         while not next(lines).startswith("data: "):  # decoding is under way
@@ -181,7 +272,7 @@ def test_a_stalled_rank_fails_its_calls_and_the_group_restarts(node):
     assert len(node.ranks[COLD]) == 2 and not set(node.ranks[COLD]) & set(old)
     again = httpx.post(node.server.api + "/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
-    probe.assert_fast()
+    probe.assert_fast(unhealthy=COLD)
 
 
 def test_the_event_log_on_a_full_disk_is_reported_once(node):
