@@ -19,14 +19,13 @@ transformers 5's fused tensors (`mlp.experts.gate_up_proj` (E, 2I, H) and `mlp.e
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
 from talaria.executor.checkpoint import CheckpointError
-from talaria.executor.parallel import Shard
 from talaria.executor.matmul import linear
+from talaria.executor.parallel import Shard
 from talaria.executor.quant import QStack, WeightReader, dense
 
 Shape = tuple[int, ...]
@@ -170,15 +169,18 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
         y = F.grouped_mm(F.silu(gate) * up, lw.experts_down.transpose(1, 2), offs=offs)  # (T k, H)
     else:
         y = torch.empty_like(x)
+        packed = not isinstance(lw.experts_down, torch.Tensor)
         start = 0
         for e, n in enumerate(counts.tolist()):  # one matmul pair per expert with tokens, over all of them
-            if n:
-                # the weight on the left and a transposed (n, K) matrix on the right: the layout in
-                # which BLAS runs these few-column products fastest (bench/engine.py's MoE row)
+            if n and packed:
+                # dequantized one expert at a time; the weight on the left, the tokens transposed
                 gate, up = (dense(lw.experts_gate_up[e], h.dtype) @ x[start:start + n].t()).chunk(2)  # (I_local, n)
                 act = (F.silu(gate) * up).t().contiguous()  # (n, I_local)
                 y[start:start + n] = (dense(lw.experts_down[e], h.dtype) @ act.t()).t()  # (n, H)
-                start += n
+            elif n:  # each product on the backend measured fastest for its shape and rows (matmul.py)
+                gate, up = linear(x[start:start + n], lw.experts_gate_up[e]).chunk(2, dim=-1)  # (n, I_local) each
+                y[start:start + n] = linear(F.silu(gate) * up, lw.experts_down[e])  # (n, H)
+            start += n
     by_token = torch.empty_like(y)
     by_token[order] = y  # back in assignment order
     out = torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum
