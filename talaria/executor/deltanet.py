@@ -14,7 +14,7 @@ convolution's last K - 1 inputs (`conv`) and S (`ssm`): state slots of the cache
 reference), the recurrence runs in float32 whatever the model dtype, and so do the norms.
 
 Decode steps run the recurrence, one token per sequence, batched over sequences. Prompt chunks run
-the chunked form (chunks of 64 tokens: within a chunk the delta rule's updates are one unit lower
+the chunked form (chunks of CHUNK tokens: within a chunk the delta rule's updates are one unit lower
 triangular solve, the WY/UT form of the DeltaNet paper; across chunks the state carries), which
 equals the recurrence to float32 rounding and does the work in matmuls.
 
@@ -37,7 +37,10 @@ from talaria.executor.matmul import linear
 from talaria.executor.parallel import Shard
 
 Shape = tuple[int, ...]
-CHUNK = 64  # tokens per chunk of the chunked delta rule
+CHUNK = 32  # tokens per chunk of the chunked delta rule
+# heads and chunks whose state-free parts `chunked` computes together; these and CHUNK were the
+# fastest of the sizes tried on one CPU core at Qwen3.5's dims (bench/README.md, the DeltaNet row)
+BLOCK_HEADS, BLOCK_CHUNKS = 16, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,37 +139,98 @@ def chunked(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """n tokens of one sequence: q, k (H, n, dk), v (H, n, dv), g, beta (H, n), float32, q and k
     normalised and scaled; `state` (H, dk, dv) is updated in place. Returns o (H, n, dv).
 
-    Chunk by chunk, everything of a chunk computed in the loop: (H, C, C) and (H, C, d) tensors that
-    stay in cache, where materialising every chunk's at once took ten buffers of 268 MB for an
-    8,192-token prompt at Qwen3.5's dims."""
-    n = k.shape[1]
+    Within a chunk the delta rule's updates are one unit lower triangular system that needs no
+    state (the WY/UT form, as flash-linear-attention's chunk_gated_delta_rule), so only three
+    products per chunk, (C x d) by (d x d), wait for the previous chunk's state. The work goes in
+    blocks of BLOCK_HEADS heads by BLOCK_CHUNKS chunks (`_Block`): buffers of a few MB that stay
+    in cache, where materialising every chunk's at once took ten of 268 MB for an 8,192-token
+    prompt at Qwen3.5's dims and streamed them through memory."""
+    H, n, dk = k.shape
+    dv = v.shape[-1]
+    if n == 0:
+        return torch.empty_like(v)
     pad = -n % CHUNK
     if pad:  # zero tokens (beta 0, decay 1) change neither the outputs nor the state
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).triu(1)
-    eye = torch.eye(CHUNK, dtype=k.dtype, device=k.device).expand(k.shape[0], CHUNK, CHUNK)
-    out = torch.empty_like(v)
-    s = state
-    for at in range(0, n + pad, CHUNK):
-        c = slice(at, at + CHUNK)
-        qc, kc, bc = q[:, c], k[:, c], beta[:, c, None]
-        k_beta, v_beta = kc * bc, v[:, c] * bc
-        gc = g[:, c].cumsum(dim=-1)  # (H, C): log decay from the chunk's start
-        decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (H, C, C): i >= j
-        # the updates inside the chunk as one unit lower triangular system (I + tril(beta_i k_i k_j decay, -1))
-        # one solve for the system's inverse (C right-hand sides), then two matmuls, rather than two solves
-        # of d each: 1.13x the chunked form's speed at 2,048 tokens (alternating runs of both forms, median)
-        system = (k_beta @ kc.transpose(-1, -2)) * decay
-        inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)  # (H, C, C)
-        u = inverse @ v_beta  # (H, C, dv)
-        w = inverse @ (k_beta * gc.exp()[..., None])
-        v_new = u - w @ s  # the corrections the state does not predict
-        attn = (qc @ kc.transpose(-1, -2)) * decay  # within-chunk reads, causal
-        out[:, c] = (qc * gc.exp()[..., None]) @ s + attn @ v_new
-        s = s * gc[..., -1:, None].exp() + (kc * (gc[..., -1:] - gc).exp()[..., None]).transpose(-1, -2) @ v_new
-    state.copy_(s)
-    return out[:, :n]
+    N = (n + pad) // CHUNK
+    q, k, v = q.reshape(H, N, CHUNK, dk), k.reshape(H, N, CHUNK, dk), v.reshape(H, N, CHUNK, dv)
+    log_decay = g.reshape(H, N, CHUNK).cumsum(dim=-1)  # (H, N, C): from each chunk's start, its token's own included
+    beta = beta.reshape(H, N, CHUNK)
+    heads, chunks = min(BLOCK_HEADS, H), min(BLOCK_CHUNKS, N)
+    block = _Block(heads * chunks, dk, dv, v)
+    out = torch.empty(H, N, CHUNK, dv, dtype=v.dtype, device=v.device)
+    for h in range(0, H, heads):
+        hs = slice(h, h + heads)
+        s = state[hs]  # (heads, dk, dv), a view: updated in place
+        for c in range(0, N, chunks):
+            cs = slice(c, c + chunks)
+            o = block.run(q[hs, cs], k[hs, cs], v[hs, cs], log_decay[hs, cs], beta[hs, cs], s)
+            out[hs, cs] = o.transpose(0, 1)
+    return out.view(H, N * CHUNK, dv)[:, :n]
+
+
+class _Block:
+    """Buffers for up to `size` (head, chunk) pairs of `chunked`, reused block after block.
+
+    A block's rows are chunk-major (row j * heads + h: chunk j of head h), so the rows that wait
+    for the same state are contiguous."""
+
+    def __init__(self, size: int, dk: int, dv: int, like: torch.Tensor):
+        C = CHUNK
+
+        def buf(*shape):
+            return torch.empty(size, *shape, dtype=like.dtype, device=like.device)
+
+        self.k, self.q, self.v = buf(C, dk), buf(C, dk), buf(C, dv)  # the block's inputs, gathered
+        self.log_decay, self.beta = buf(C), buf(C)
+        self.decay = buf(C, C)  # exp(log decay_i - log decay_j), i >= j; zero above
+        self.system = buf(C, C)  # the strictly lower part of the chunk's triangular system
+        self.reads = buf(C, C)  # q_i k_j decay_ij, i >= j: the causal reads within the chunk
+        self.inverse, self.inverse_w = buf(C, C), buf(C, C)
+        self.w, self.u = buf(C, dk), buf(C, dv)
+        self.k_rest = buf(C, dk)  # k times the decay from its token to the chunk's end
+        self.v_new = buf(C, dv)  # u - w S: what the state does not predict
+        self.q_state = buf(C, dv)  # q exp(log decay) S: what the chunk reads from the state
+        self.o = buf(C, dv)
+        self.eye = torch.eye(C, dtype=like.dtype, device=like.device).expand(size, C, C)
+
+    def run(self, q, k, v, log_decay, beta, s: torch.Tensor) -> torch.Tensor:
+        """q, k (heads, chunks, C, dk), v (heads, chunks, C, dv), log_decay, beta (heads, chunks, C)
+        -> o (chunks, heads, C, dv), a view of a buffer; s (heads, dk, dv) carried through the
+        chunks in place."""
+        heads, chunks, C = k.shape[:3]
+        rows = heads * chunks
+        kc, qc, vc, ld, b, decay, system, reads, inverse, inverse_w, w, u, k_rest, v_new, q_state, o, eye = (
+            x[:rows] for x in (self.k, self.q, self.v, self.log_decay, self.beta, self.decay, self.system,
+                               self.reads, self.inverse, self.inverse_w, self.w, self.u, self.k_rest,
+                               self.v_new, self.q_state, self.o, self.eye))
+        for dst, src in ((kc, k), (qc, q), (vc, v), (ld, log_decay), (b, beta)):  # gathered chunk-major
+            dst.view(chunks, heads, *src.shape[2:]).copy_(src.transpose(0, 1))
+        # the state-free parts, every chunk of the block at once
+        torch.sub(ld[:, :, None], ld[:, None, :], out=decay)
+        decay.exp_().tril_()  # above the diagonal exp may overflow: tril_ replaces it, nothing multiplies it
+        torch.bmm(kc, kc.transpose(-1, -2), out=system).mul_(decay).mul_(b[:, :, None])
+        torch.bmm(qc, kc.transpose(-1, -2), out=reads).mul_(decay)
+        # (I + tril(beta_i k_i k_j decay_ij, -1))^-1: the diagonal and above are implied, not read
+        torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True, out=inverse)
+        gamma = ld.exp()  # (rows, C): decay from the chunk's start
+        torch.mul(inverse, (b * gamma)[:, None, :], out=inverse_w)  # beta and decay on the columns,
+        inverse.mul_(b[:, None, :])  # not on (C x d) rows
+        torch.bmm(inverse_w, kc, out=w)  # w = inverse (beta gamma k)
+        torch.bmm(inverse, vc, out=u)  # u = inverse (beta v)
+        torch.mul(kc, (ld[:, -1:] - ld).exp_()[:, :, None], out=k_rest)
+        qc.mul_(gamma[:, :, None])
+        last = gamma[:, -1, None, None]  # (rows, 1, 1): decay over the whole chunk
+        # the chunks one after another through the state, each a batch of the block's heads
+        for j in range(chunks):
+            r = slice(j * heads, (j + 1) * heads)
+            torch.baddbmm(u[r], w[r], s, alpha=-1, out=v_new[r])
+            torch.bmm(qc[r], s, out=q_state[r])
+            s.mul_(last[r])
+            s.baddbmm_(k_rest[r].transpose(-1, -2), v_new[r])
+        torch.baddbmm(q_state, reads, v_new, out=o)  # the state's reads plus the causal reads within the chunk
+        return o.view(chunks, heads, C, -1)
 
 
 def _conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

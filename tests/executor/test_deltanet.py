@@ -13,23 +13,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from talaria.executor.deltanet import CHUNK, _l2norm, chunked, recurrent_step
+from talaria.executor.deltanet import (
+    BLOCK_CHUNKS,
+    BLOCK_HEADS,
+    CHUNK,
+    _l2norm,
+    chunked,
+    recurrent_step,
+)
 
-H, DK, DV = 3, 16, 8  # heads and head dims: small, the 64-token chunk is what matters
+H, DK, DV = 3, 16, 8  # heads and head dims: small, the chunk is what matters
 TOL = 1e-10
 
 
-def inputs(n: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """q, k (H, n, DK), v (H, n, DV), g, beta (H, n) and a state (H, DK, DV), float64."""
+def inputs(n: int, seed: int, heads: int = H) -> tuple[torch.Tensor, ...]:
+    """q, k (heads, n, DK), v (heads, n, DV), g, beta (heads, n) and a state (heads, DK, DV), float64."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    q = _l2norm(randn(H, n, DK)) * DK ** -0.5
-    k = _l2norm(randn(H, n, DK))
-    g = -F.softplus(randn(H, n))
-    return q, k, randn(H, n, DV), g, randn(H, n).sigmoid(), randn(H, DK, DV)
+    q = _l2norm(randn(heads, n, DK)) * DK ** -0.5
+    k = _l2norm(randn(heads, n, DK))
+    g = -F.softplus(randn(heads, n))
+    return q, k, randn(heads, n, DV), g, randn(heads, n).sigmoid(), randn(heads, DK, DV)
 
 
 def by_recurrence(q, k, v, g, beta, state):
@@ -54,6 +61,17 @@ def test_chunked_equals_the_recurrence(n):
     assert max_diff(o_chunked, o_recurrent) < TOL
     assert max_diff(s_chunked, s_recurrent) < TOL
     assert max_diff(s_chunked, s0) > 1e-3  # the state did move: the comparison above is not vacuous
+
+
+def test_chunked_equals_the_recurrence_across_blocks():
+    """More heads than BLOCK_HEADS and more chunks than BLOCK_CHUNKS, neither a multiple: every
+    boundary between `chunked`'s blocks, and a last block of fewer heads and fewer chunks."""
+    heads, n = BLOCK_HEADS + 3, (2 * BLOCK_CHUNKS + 1) * CHUNK + 5
+    q, k, v, g, beta, s0 = inputs(n, seed=5, heads=heads)
+    s_chunked, s_recurrent = s0.clone(), s0.clone()
+    o_chunked = chunked(q, k, v, g, beta, s_chunked)
+    assert max_diff(o_chunked, by_recurrence(q, k, v, g, beta, s_recurrent)) < TOL
+    assert max_diff(s_chunked, s_recurrent) < TOL
 
 
 @pytest.mark.parametrize("split", [1, 37, CHUNK, 100])
