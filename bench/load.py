@@ -1,7 +1,7 @@
 """Load: agent sessions against `talaria up`, with clients that honour Retry-After.
 
     python bench/load.py [--workload burst|patient] [--sessions N] [--quick] [--seed S] [--config PATH]
-                         [--json PATH] [--capacity PATH] [--no-gate]
+                         [--json PATH] [--capacity PATH] [--max-wall S] [--no-gate]
     python bench/load.py --workload patient --sweep 2,4,8,12 [--quick]   # capacity at the TTFT target
 
 Two workloads, each fixed before any measurement (seeded; the same --seed gives the same sessions,
@@ -79,6 +79,11 @@ workload is judged against; its resolution is the sweep's steps. Written to
 bench/results/load-sweep-WORKLOAD.json; exits 1 when no N met the target. `--quick` shortens the
 points (5 s, 15 s, 15 s), to see the sweep run, and writes load-sweep-WORKLOAD-quick.json, which
 is not a capacity.
+
+`--max-wall S` cuts a run's sessions off S seconds after they start, for a run that cannot finish in
+the time there is: the sessions still running are *cut off* (a missed target, not a failure; a call
+cut off in flight counts neither as answered nor as failed) and everything else is reported as
+measured until then.
 
 Progress goes to stderr, the table to stdout, everything to the JSON (default
 bench/results/load-WORKLOAD.json) and the server log beside it. The verdict (bench/report.py's
@@ -241,6 +246,7 @@ class Outcome(Enum):
     SHED = "shed"  # its first call was refused retries + 1 times (429, or 503 over capacity): it gave up
     REFUSED = "refused"  # its first call failed with anything else: a server error, not shedding
     FAILED = "failed"  # admitted, then a call failed
+    CUT_OFF = "cut off"  # still running at --max-wall: neither finished nor failed
 
 
 @dataclass(slots=True)
@@ -427,7 +433,7 @@ def instance_rows(telemetry: dict) -> dict[str, dict]:
 
 
 async def drive(base_url: str, warmup: list[SessionPlan], plans: list[SessionPlan], procs, log,
-                workload: Workload) -> dict:
+                workload: Workload, max_wall_s: float | None = None) -> dict:
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=len(plans) + 32, max_keepalive_connections=len(plans) + 32)
     timeout = httpx.Timeout(CALL_DEADLINE_S, connect=10.0)
@@ -467,8 +473,14 @@ async def drive(base_url: str, warmup: list[SessionPlan], plans: list[SessionPla
                         f"done {row['done']}/{len(plans)}; {insts}")
 
         sampler = asyncio.create_task(sample())
-        await asyncio.gather(*(client.session(p) for p in plans))
+        try:
+            async with asyncio.timeout(max_wall_s):
+                await asyncio.gather(*(client.session(p) for p in plans))
+        except TimeoutError:
+            log(f"--max-wall {max_wall_s:g} s: the sessions still running are cut off")
         wall = client.now()
+        for rec in client.sessions:
+            rec.outcome = rec.outcome or Outcome.CUT_OFF
         sampler.cancel()
         await asyncio.sleep(2.0)  # let the last calls' bookkeeping settle
         pss_end = pss(procs)
@@ -496,7 +508,7 @@ def pct(values: list[float], q: float) -> float | None:
 def summarize(sessions: list[SessionRecord], wall_s: float | None = None) -> dict:
     calls = [c for s in sessions for c in s.calls]
     admitted = [s for s in sessions if s.admitted_s is not None]
-    ok = [c for s in admitted for c in s.calls if c.ok]
+    ok = [c for s in admitted for c in s.calls if c.ok and c.done_s]  # a call cut off by --max-wall never ended
     ttft = [c.ttft_s for c in ok if c.ttft_s is not None]
     sct = [s.end_s - s.start_s for s in sessions if s.outcome is Outcome.FINISHED]
     prompt = sum(c.prompt_tokens or 0 for c in ok)
@@ -508,6 +520,7 @@ def summarize(sessions: list[SessionRecord], wall_s: float | None = None) -> dic
         "finished": sum(s.outcome is Outcome.FINISHED for s in sessions),
         "shed": sum(s.outcome is Outcome.SHED for s in sessions),
         "refused_with_error": sum(s.outcome is Outcome.REFUSED for s in sessions),
+        "cut_off": sum(s.outcome is Outcome.CUT_OFF for s in sessions),
         "admitted_unfinished": sum(s.outcome is not Outcome.FINISHED for s in admitted),
         "failed_calls_admitted": sum(not c.ok for s in admitted for c in s.calls),
         "failed_calls_not_refused": sum(not c.ok and not c.gave_up for c in calls),
@@ -545,6 +558,8 @@ def misses(s: dict, growth: dict, workload: Workload, ttft_target_s: float,
     if s["failed_calls_not_refused"]:
         wrong.append(f"{s['failed_calls_not_refused']} calls failed with something other than a refusal the client "
                      f"gave up on (target 0)")
+    if s["cut_off"]:
+        missed.append(f"{s['cut_off']} sessions cut off by --max-wall: the run did not finish")
     if s["admitted_unfinished"]:
         missed.append(f"{s['admitted_unfinished']} admitted sessions did not finish (target 0)")
     bound = TARGETS["ttft_p95_x_target"] * ttft_target_s
@@ -584,7 +599,7 @@ def table(s: dict, per_model: dict, growth: dict, workload: Workload, ttft_targe
 
     cap = capacity.get("capacity_calls_per_min") if capacity else None
     rows = [("metric", "value", "target")]
-    for key, target in (("sessions", ""), ("admitted", "all"), ("finished", ""), ("shed", "0"),
+    for key, target in (("sessions", ""), ("admitted", "all"), ("finished", ""), ("shed", "0"), ("cut_off", "0"),
                         ("admitted_unfinished", "0"), ("failed_calls_admitted", "0"), ("failed_calls_not_refused", "0"),
                         ("new_session_429s", ""), ("admitted_session_429s", ""), ("over_capacity_refusals", ""),
                         ("max_in_service", ""), ("calls", ""), ("calls_ok", ""), ("calls_without_content", "")):
@@ -773,7 +788,8 @@ def run_load(args, workload: Workload, target_s: float, log: ProgressLog, load_s
     try:
         wait_healthy(proc, base_url, server_log)
         log(f"serving on {base_url}; warm-up")
-        run = asyncio.run(drive(base_url, warmup, plans, processes(proc, args.config), log, workload))
+        run = asyncio.run(drive(base_url, warmup, plans, processes(proc, args.config), log, workload,
+                                args.max_wall))
     finally:
         stop_server(proc)
     sessions = run["sessions"]
@@ -792,6 +808,7 @@ def run_load(args, workload: Workload, target_s: float, log: ProgressLog, load_s
                      "arrival_s": workload.arrival_s, "models": {m: asdict(s) for m, s in workload.models.items()},
                      "max_tokens": MAX_TOKENS, "gap_s": workload.gap_s, "retries": workload.retries,
                      "retry_cap_s": workload.retry_cap_s, "call_deadline_s": CALL_DEADLINE_S,
+                     "max_wall_s": args.max_wall,
                      "warmup": {"sessions_per_model": WARMUP_SESSIONS, "turns": WARMUP_TURNS}},
         "pss_warm": run["pss_warm"], "pss_end": run["pss_end"], "router": run["router"],
         "timeline": run["timeline"], "server_log": str(server_log),
@@ -823,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure the capacity instead: these concurrencies, e.g. 2,4,8,12")
     ap.add_argument("--capacity", type=Path, default=None,
                     help="the sweep's JSON goodput is judged against (default bench/results/load-sweep-WORKLOAD.json)")
+    ap.add_argument("--max-wall", type=float, default=None, metavar="S",
+                    help="cut the sessions off S seconds after they start (a run that cannot finish in the time "
+                    "there is: what it did is reported, and the cut is a missed target)")
     add_gate_flag(ap)
     args = ap.parse_args(argv)
     if args.sessions is not None and args.sessions < 1:

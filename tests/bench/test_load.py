@@ -148,3 +148,13 @@ def test_capacity_is_the_largest_concurrency_within_the_target(load) -> None:
 def test_the_sweep_config_queues_every_call(load, tmp_path: Path) -> None:
     cfg = load_config(load.queue_config(load.DEFAULT_CONFIG, tmp_path / "queue.toml"))
     assert (cfg.router.overload.value, cfg.router.max_queued, cfg.router.queue_timeout_s) == ("queue", 4096, 600.0)
+
+
+def test_a_run_cut_off_by_max_wall_misses_without_counting_its_calls_in_flight_as_failed(load) -> None:
+    rec = admitted(load, 0)
+    rec.calls[-1].done_s, rec.calls[-1].ttft_s = 0.0, None  # the call in flight when the run was cut off
+    rec.outcome, rec.end_s = load.Outcome.CUT_OFF, None
+    s = load.summarize([rec], wall_s=60.0)
+    assert (s["cut_off"], s["calls_ok"], s["failed_calls_admitted"], s["admitted_unfinished"]) == (1, 5, 0, 1)
+    missed, wrong = load.misses(s, GROWTH, load.WORKLOADS["patient"], 2.0, {"capacity_calls_per_min": 5.0})
+    assert wrong == [] and "1 sessions cut off by --max-wall: the run did not finish" in missed
