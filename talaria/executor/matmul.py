@@ -14,10 +14,11 @@ bucket) comes through, every backend runs it a few times on a random input of th
 interleaved so a noisy neighbour slows them alike, with its weight streaming from memory as in a
 forward, and the fastest run wins. The choice is kept for the process, and in a file under the
 conversion cache keyed by the CPU model, torch's version and its thread count
-(`$TALARIA_CACHE_DIR/matmul/`) when it can be trusted: the runs were steady and the machine was not
-oversubscribed (on a shared 2-core machine under a load of 10, every backend's run waits out a
-neighbour's time slice, and a choice made then would stay wrong for good). So a machine measures a
-shape once; deleting the folder measures again. `TALARIA_MATMUL=<backend>` forces one backend everywhere.
+(`$TALARIA_CACHE_DIR/matmul/`) when it can be trusted, its runs steady. One made while the machine
+was oversubscribed (on a shared 2-core machine under a load of 10, every backend's run waits out a
+neighbour's time slice) is marked so: busy processes reuse it, a quiet one measures that shape again
+and its choice replaces it. So a machine measures a shape about once; deleting the folder measures
+again. `TALARIA_MATMUL=<backend>` forces one backend everywhere.
 
 Every backend reads the weight where it lies, a plain tensor in the arena: none keeps a prepacked
 copy, so staging, D2D switches and host restores, which copy arena bytes and rebind views, stay
@@ -46,11 +47,13 @@ from talaria.models.conversion_cache import default_cache_dir, fingerprint
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x (M, in), w, bias -> (M, out)
 MEASURED = (torch.float32, torch.bfloat16)  # the CPU dtypes whose products are measured
 MAX_ROWS = 1024  # the largest row bucket: a longer prefill chunk runs as the 1,024-row bucket chose
-MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 12, 0.5  # timed runs of each backend a measurement takes
+MIN_ROUNDS, MAX_ROUNDS = 3, 12  # timed runs of each backend: a steady measurement takes MIN_ROUNDS at least
+BUDGET_S = 0.25  # a measurement stops once it has taken this long, whatever its rounds (then it is not steady)
 STEADY = 1.2  # a backend's two fastest runs within 20%: the measurement is worth keeping in the file
 STREAM_BYTES = 256 << 10  # a weight this large is measured streaming from memory, as a forward reads it
+STREAM_CAP = 64 << 20  # the copies it streams over: twice the last-level cache, but never more than this
 ENV_VAR = "TALARIA_MATMUL"
-SCHEMA = 3  # of the choices file (2: steady measurements on a quiet machine only; 3: large weights streamed)
+SCHEMA = 4  # of the choices file (3: large weights streamed; 4: streams capped, busy measurements kept, flagged)
 
 
 def _f_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -88,9 +91,11 @@ def last_level_cache() -> int:
 
 
 def streamed(w: torch.Tensor) -> list[torch.Tensor]:
-    """`w` and copies of it, twice the last-level cache in all: run over them in turn, a product
-    reads its weight from memory, as in a forward, whose weights outgrow the cache."""
-    n = -(-2 * last_level_cache() // (w.numel() * w.element_size()))
+    """`w` and copies of it, twice the last-level cache in all (at most STREAM_CAP): run over them in
+    turn, a product reads its weight from memory, as in a forward, whose weights outgrow the cache.
+    The cap bounds what a measurement costs on a CPU with a very large cache (a 300 MiB L3 made
+    600 MiB of copies a shape, and seconds of measuring under load); there it is partly in cache."""
+    n = -(-min(2 * last_level_cache(), STREAM_CAP) // (w.numel() * w.element_size()))
     return [w] + [w.clone() for _ in range(n - 1)]
 
 
@@ -125,7 +130,7 @@ class MatmulDispatch:
         self.quiet = quiet
         self.chosen: dict[tuple[int, str], str] = {}  # (threads, key) -> backend name
         self.seconds: dict[tuple[int, str], dict[str, float]] = {}  # what this process measured for each choice
-        self.kept: set[tuple[int, str]] = set()  # the measurements worth a file: steady, on a quiet machine
+        self.kept: dict[tuple[int, str], bool] = {}  # the steady measurements, for the file: were they quiet?
         self._loaded: set[int] = set()  # thread counts whose file has been read
         self._fast: dict[tuple, Backend] = {}  # (threads, dtype, shape, bias, bucket) -> backend: the hot path's lookup
 
@@ -167,19 +172,21 @@ class MatmulDispatch:
         if key not in self.chosen:
             seconds, steady = self.measure(bucket, w, bias)
             self.seconds[key], self.chosen[key] = seconds, min(seconds, key=seconds.get)
-            if steady and self.quiet():
-                self.kept.add(key)
+            if steady:
+                self.kept[key] = self.quiet()
                 self._save(threads)
         return self.chosen[key]
 
     def measure(self, rows: int, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[dict[str, float], bool]:
         """The fastest run of each backend on a random (rows, in) input, in seconds, and whether the
-        measurement was steady: each backend's two fastest runs within STEADY of each other.
+        measurement was steady: each backend's two fastest runs (of MIN_ROUNDS at least) within
+        STEADY of each other.
 
         The runs interleave the backends, so a neighbour's burst of work slows them alike, and the
         fastest run is kept (the slower ones measure the neighbours). Rounds go on until the runs are
-        steady, up to MAX_ROUNDS or BUDGET_S; an unsteady measurement still chooses, for this process
-        only. One untimed call each first: oneDNN builds its primitive on the first. A backend that
+        steady, up to MAX_ROUNDS, and stop once the measurement has taken BUDGET_S (a busy machine
+        then pays about that much a shape and bucket, not seconds); an unsteady measurement still
+        chooses, for this process only. One untimed call each first: oneDNN builds its primitive on the first. A backend that
         cannot run the product is left out.
 
         A weight of STREAM_BYTES or more is measured as a forward reads it, from memory: a timed run
@@ -209,7 +216,7 @@ class MatmulDispatch:
             best = {name: sorted(times)[:2] for name, times in runs.items()}
             rounds = len(runs[next(iter(runs))])
             steady = rounds >= MIN_ROUNDS and all(b[1] <= STEADY * b[0] for b in best.values())
-            if steady or rounds >= MAX_ROUNDS or (rounds >= MIN_ROUNDS and self.clock() - start > BUDGET_S):
+            if steady or rounds >= MAX_ROUNDS or self.clock() - start > BUDGET_S:
                 return {name: b[0] for name, b in best.items()}, steady
 
     # ---- the file: one per CPU model, torch version and thread count ---------------------------
@@ -222,18 +229,23 @@ class MatmulDispatch:
         return self.folder() / f"{key}.json"
 
     def _load(self, threads: int) -> None:
+        """The file's choices; on a quiet machine not those measured on a busy one, which it measures
+        again (and its quiet measurement replaces them in the file)."""
         self._loaded.add(threads)
         path = self.path(threads)
         try:
             stored = json.loads(path.read_text())["choices"] if path is not None else {}
         except (OSError, ValueError, KeyError, TypeError):
             return  # absent or unreadable: measure
+        quiet = self.quiet()
         for key, entry in stored.items():
-            if isinstance(entry, dict) and entry.get("backend") in self.backends:
+            if isinstance(entry, dict) and entry.get("backend") in self.backends and \
+                    not (quiet and entry.get("quiet") is False):
                 self.chosen[(threads, key)] = entry["backend"]
 
     def _save(self, threads: int) -> None:
-        """Merge this process's choices into the file; another process's, written meanwhile, stay."""
+        """Merge this process's steady choices into the file; another process's, written meanwhile,
+        stay, and a busy measurement never replaces a quiet one."""
         path = self.path(threads)
         if path is None:
             return
@@ -241,8 +253,9 @@ class MatmulDispatch:
             stored = json.loads(path.read_text()).get("choices", {})
         except (OSError, ValueError, AttributeError):
             stored = {}
-        mine = {k: {"backend": self.chosen[(t, k)], "seconds": self.seconds[(t, k)]} for t, k in self.kept
-                if t == threads}
+        mine = {k: {"backend": self.chosen[(t, k)], "seconds": self.seconds[(t, k)], "quiet": quiet}
+                for (t, k), quiet in self.kept.items()
+                if t == threads and (quiet or stored.get(k, {}).get("quiet") is False or k not in stored)}
         body = {"schema": SCHEMA, "cpu": cpu_name(), "torch": torch.__version__, "threads": threads,
                 "choices": stored | mine}
         try:

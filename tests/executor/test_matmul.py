@@ -178,8 +178,8 @@ def test_choices_persist_in_one_file_per_thread_count(tmp_path):
 
 
 def test_a_measurement_made_in_noise_chooses_for_this_process_only(tmp_path):
-    """Runs that do not repeat (a neighbour's time slices in some of them), or a machine with more
-    runnable threads than cores: the choice holds for the process, nothing is written."""
+    """Runs that do not repeat (a neighbour's time slices in some of them): the choice holds for the
+    process, nothing is written."""
     jitter = iter([2.0, 1.0] + [3.0, 5.0] * 100)  # the warm-up, then one fast run among slow ones
     costs = FakeCosts(lambda name, rows: next(jitter) if name == "slow" else 2.0)
     noisy = MatmulDispatch(costs.backends(), folder=lambda: tmp_path, clock=costs.clock, quiet=lambda: True)
@@ -187,10 +187,32 @@ def test_a_measurement_made_in_noise_chooses_for_this_process_only(tmp_path):
     noisy.linear(x, w)
     assert list(noisy.chosen.values()) == ["slow"] and not list(tmp_path.glob("*.json"))
     assert costs.calls["slow"] == 1 + 12 + 1  # the warm-up, rounds up to the limit, the product
+
+
+def test_a_choice_measured_on_a_busy_machine_is_reused_busy_and_measured_again_quiet(tmp_path):
+    """More runnable threads than cores: a steady choice is written marked busy. Another busy process
+    reuses it (the suite's hundreds of processes measure a shape once); a quiet one measures it again,
+    and its choice replaces the busy one, which never replaces a quiet one."""
     costs = FakeCosts(lambda name, rows: {"slow": 3.0, "fast": 1.0, "middling": 2.0}[name])
-    busy = MatmulDispatch(costs.backends(), folder=lambda: tmp_path, clock=costs.clock, quiet=lambda: False)
-    busy.linear(x, w)
-    assert list(busy.chosen.values()) == ["fast"] and not list(tmp_path.glob("*.json"))
+    x, w, _ = operands(8, 32, 16)
+    key = "float32 32x16 bias=0 rows<=8"
+
+    def run(quiet: bool) -> MatmulDispatch:
+        costs.calls.clear()
+        d = MatmulDispatch(costs.backends(), folder=lambda: tmp_path, clock=costs.clock, quiet=lambda: quiet)
+        d.linear(x, w)
+        return d
+
+    run(quiet=False)
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["choices"][key]["quiet"] is False
+    run(quiet=False)
+    assert costs.calls == {"fast": 1}  # reused
+    run(quiet=True)
+    assert costs.calls["slow"] > 0  # measured again
+    assert json.loads(path.read_text())["choices"][key]["quiet"] is True
+    run(quiet=False)
+    assert costs.calls == {"fast": 1} and json.loads(path.read_text())["choices"][key]["quiet"] is True
 
 
 def test_a_forced_backend_runs_everywhere_and_a_wrong_name_is_refused():
