@@ -1,0 +1,147 @@
+"""The dispatcher's side of the admission line (routing/admission_line.py): the 429 a new session
+gets with its place and its promise, a held call's wait for its turn, the promises' schedule, and
+each poll's check of the line. A part of `Dispatcher` (routing/dispatcher.py), kept apart so each
+file reads as one responsibility: it uses the dispatcher's line, router, load, held calls and clock."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from talaria.routing.admission_line import (
+    GRACE_S,
+    MAX_PROMISE_S,
+    AdmissionLine,
+    Waiting,
+    promise_times,
+)
+from talaria.routing.decision import Reason, RouteDecision, RouteRequest
+from talaria.routing.errors import RETRY_AFTER_S, Overloaded
+
+if TYPE_CHECKING:
+    from talaria.routing.held_calls import HeldCalls
+    from talaria.routing.router import Router
+    from talaria.routing.session_load import SessionLoad
+
+
+class LineTurns:
+    """New sessions' turns in the admission line, for `Dispatcher`, which provides what is declared here."""
+
+    line: AdmissionLine
+    router: Router
+    load: SessionLoad
+    held: HeldCalls
+    clock: Callable[[], float]
+
+    def _poll(self) -> None: ...
+    def _commit(self, req: RouteRequest, decision: RouteDecision) -> None: ...
+    def _uncommit(self, req: RouteRequest, decision: RouteDecision) -> None: ...
+
+    def _wait_in_line(self, req: RouteRequest, entry: Waiting | None, decision: RouteDecision,
+                      now: float) -> Overloaded:
+        """A new session that may not be placed now: its place in line (kept, or taken at the back)
+        and its promise, as the 429 to send; beyond the line's bound a longer wait, or over capacity."""
+        line = self.line
+        if entry is None:
+            entry = line.join(req.session, req.tenant, req.model, req.prompt_tokens, req.max_tokens, now)
+        else:
+            line.returned(entry)
+        if entry is None:  # the line is full: come back once it has moved on
+            last = max((w.promised_at for w in line.order(req.model)), default=now)
+            wait = last - now
+            if wait > MAX_PROMISE_S:
+                line.counts["over_capacity"] += 1
+                return Overloaded(f"over capacity: {line.limit} new sessions wait already (router.max_waiting) and "
+                                  f"the last is not expected in before {MAX_PROMISE_S:.0f} s; retry later",
+                                  math.ceil(MAX_PROMISE_S), over_capacity=True)
+            return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions and "
+                              f"{line.limit} wait already (router.max_waiting): this one has no place in line; "
+                              f"retry in {max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+        self._poll()
+        t = line.promise(entry, self._schedule(req.model, decision, entry, now), now)
+        wait = t - now
+        if wait > MAX_PROMISE_S:  # longer than any client waits for its call: no place worth keeping
+            line.drop(entry)
+            line.counts["over_capacity"] += 1
+            return Overloaded(f"over capacity: every instance serving {req.model!r} is full for new sessions and "
+                              f"this one is not expected in within {MAX_PROMISE_S:.0f} s; retry later",
+                              math.ceil(MAX_PROMISE_S), over_capacity=True)
+        place = line.order(req.model).index(entry) + 1
+        return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions: this one is "
+                          f"number {place} in line, expected in within {wait:.1f} s; retry in "
+                          f"{max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+
+    async def _wait_turn(self, entry: Waiting, req: RouteRequest, local: bool,
+                         left: Callable[[], Awaitable[object]] | None) -> RouteDecision:
+        """Hold a new session's call, its turn near, until `_check_line` places it, it is GRACE_S past its
+        promise (a decision without an instance: it gets its 429), or its client leaves ("client-gone")."""
+        waiter = asyncio.get_running_loop().create_future()
+        entry.held, entry.hold_until = (req, local, waiter), entry.promised_at + GRACE_S
+        self._poll()
+        watch = asyncio.ensure_future(left()) if left is not None else None
+        try:
+            if watch is not None:
+                await asyncio.wait((waiter, watch), return_when=asyncio.FIRST_COMPLETED)
+                if not waiter.done():  # its client left first: its place is kept, should it come back
+                    waiter.cancel()
+                    return RouteDecision(None, Reason.OVERLOAD, overload="client-gone")
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.result().instance is not None:
+                self._uncommit(req, waiter.result())  # placed just as its client left: it never runs
+            raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+            entry.held = None
+
+    def _schedule(self, model: str, decision: RouteDecision, entry: Waiting, now: float) -> list[float]:
+        """Predicted admission times of the model's line, in order (AdmissionLine.promise_times), on
+        the instance closest to admitting `entry`'s call (`decision`, the router's answer to it)."""
+        cost = decision.cost
+        order = self.line.order(model)
+        if cost is None:  # nothing priced it (no fresh snapshot): the default wait, then ask again
+            return [now + RETRY_AFTER_S] * len(order)
+        x = cost.prefill_s + cost.c_kv_s  # what an admitted session can hold its first call back by
+        entry.charge_s = min(x, cost.prefill_s + cost.decode_s)
+        excess = decision.wait_s or 0.0
+        if decision.overload == "line" or not excess:
+            excess = 0.0
+        times = promise_times(now, excess, self.load.departures(cost.instance, x, now),
+                              [w.charge_s or entry.charge_s for w in order],
+                              self.load.lifetime_s(cost.prefill_s + cost.decode_s, model), self.line.scale)
+        # work ahead that no admitted session accounts for (the snapshot's queue, a switch): about its own length
+        return [t if t != math.inf else now + max(1.0, excess * self.line.scale) for t in times]
+
+    def _check_line(self) -> None:
+        """Each poll: drop the line's sessions whose clients did not come back; place the calls held
+        in line (in its order, while they are due or first and an instance admits them); and note the
+        first poll at which an instance would admit the head of each line (its promise's error)."""
+        now, line = self.clock(), self.line
+        line.expire(now)
+        for w in line:
+            if w.held is not None and now >= w.hold_until and not w.held[2].done():
+                w.held[2].set_result(RouteDecision(None, Reason.OVERLOAD, overload="line"))  # 429 after all
+        for head in line.heads():
+            if self.held.blocks(head.model, False):
+                continue
+            for w in line.order(head.model):
+                if w.held is None or w.held[2].done():
+                    continue  # its client is away: one behind it that is due may go first
+                req, local, waiter = w.held
+                if not line.may_try(w, head.model, now):
+                    break  # the ones behind it are due later still
+                decision = self.router.decide(req, local)
+                if decision.instance is None:
+                    break  # no room: the ones behind it wait behind it
+                self.router.record(req, decision)
+                self._commit(req, decision)
+                line.admitted(w, now)
+                waiter.set_result(decision)
+            if head.ready_at is not None or line.get(head.session) is not head:
+                continue
+            probe = RouteRequest(head.model, None, head.prompt_tokens, head.max_tokens, "", head.tenant, True)
+            if self.router.decide(probe).instance is not None:
+                self.line.ready(head, now)
