@@ -15,6 +15,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -263,8 +264,11 @@ def test_a_stalled_rank_fails_its_calls_and_the_group_restarts(node):
             with contextlib.suppress(ProcessLookupError):  # were it still alive
                 os.kill(old[1], signal.SIGCONT)
         wait_for(lambda: node.server.health().status_code == 200, RECOVER_WITHIN_S, "the cold instance back")
-    assert failed_after < STALL_S + 5.0, failed_after
+    # the watchdog's limit is max(stall_s, STALL_STEPS x the longest step the profile predicts)
+    # (engine_group.stall_limit): 3 s on the AMD machine, 8.5 s on a slower one; the message names it
     assert error["code"] == "instance_failed" and "stalled" in error["message"]
+    limit = float(re.search(r"\(limit ([0-9.]+)s\)", error["message"])[1])
+    assert STALL_S <= limit and failed_after < limit + 5.0, (failed_after, error["message"])
     assert not seen_unhealthy["healthy"] and "stalled" in seen_unhealthy["last_failure"]
     assert restarts(node.server)[COLD] == before[COLD] + 1 and restarts(node.server)[HOT] == before[HOT]
     assert living(old) == []
