@@ -70,7 +70,12 @@ def restarted(before: tuple[int | None, frozenset[int]], after: tuple[int | None
 
 
 def healthy(server: Server) -> None:
-    wait_for(lambda: server.health().status_code == 200, RECOVERY_S, "healthy again")
+    """Healthy and idle: a case is judged on a node with no call of an earlier case still in flight
+    (one that was still decoding held the next case's call until it got a 429, at capacity)."""
+    def idle() -> bool:
+        r = server.health()
+        return r.status_code == 200 and all(i.get("in_flight", 0) == 0 for i in r.json()["instances"].values())
+    wait_for(idle, RECOVERY_S, "healthy and idle again")
 
 
 def error_problems(path: str, status: int, body: Any, names: list[str] | None) -> list[str]:
