@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from talaria.config.schema import RouterConfig, RouterPolicy
 from talaria.gateway.gateway import create_app
-from talaria.routing import dispatcher as dispatcher_module
+from talaria.routing import line_turns
 from tests.routing.test_dispatcher import ready
 
 from .fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor
@@ -66,7 +66,7 @@ def test_beyond_the_bound_a_longer_wait_and_over_capacity_is_503_or_529(monkeypa
     resp = client.post(chat, json=CALLS[chat]("s2"))
     assert resp.status_code == 429 and "no place in line" in resp.json()["error"]["message"]
     assert promise(resp)[1] >= first[1]
-    monkeypatch.setattr(dispatcher_module, "MAX_PROMISE_S", 0.001)  # every wait is now past what clients wait
+    monkeypatch.setattr(line_turns, "MAX_PROMISE_S", 0.001)  # every wait is now past what clients wait
     resp = client.post(chat, json=CALLS[chat]("s3"))
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "over_capacity"
     resp = client.post("/v1/messages", json=CALLS["/v1/messages"]("s4"))
