@@ -35,9 +35,9 @@ class LineTurns:
     held: HeldCalls
     clock: Callable[[], float]
 
-    def _poll(self) -> None: ...
-    def _commit(self, req: RouteRequest, decision: RouteDecision) -> None: ...
-    def _uncommit(self, req: RouteRequest, decision: RouteDecision) -> None: ...
+    _poll: Callable[[], None]
+    _commit: Callable[[RouteRequest, RouteDecision], None]
+    _uncommit: Callable[[RouteRequest, RouteDecision], None]
 
     def _wait_in_line(self, req: RouteRequest, entry: Waiting | None, decision: RouteDecision,
                       now: float) -> Overloaded:
