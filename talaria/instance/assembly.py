@@ -83,8 +83,9 @@ def assemble(config: InstanceConfig, layout: BumpLayout, models: Sequence[Served
     weights = {m.name: m.weights_bytes for m in models}
     layouts = {m.name: m.layout for m in models}
     pools = SlabPools.of(config.host_kv_bytes, [layout.plan(m.name) for m in models])
-    host = HostKVRegistry(pools.pages, pools.page_bytes, pools.states, pools.state_bytes, layouts) \
-        if pools.pages and config.enabled(Ablation.HKVR) else None
+    # HKVR ablated, host KV still swaps the sequences a slot's close preempts (host_kv_registry.py)
+    host = HostKVRegistry(pools.pages, pools.page_bytes, pools.states, pools.state_bytes, layouts,
+                          sessions=config.enabled(Ablation.HKVR)) if pools.pages else None
     stager = new_stager(config, len(models))
     memory = MemoryPlanner(layout, weights, ps, host, stager, config.debug_poison, copies, layouts)
     batchers = {}

@@ -21,6 +21,9 @@ not wait for a leader: a follower could resume only at the leader's chunk ends.
 When the KV pool cannot grow a decoding sequence, the newest running sequence is preempted: its
 pages are released (their published prefix stays cached) and it is recomputed later from its
 prompt plus the tokens it had generated, which greedy decoding reproduces exactly.
+With a host KV registry a released sequence's full pages go to host first, and admissions restore
+from it: any call's prefix under HKVR; with HKVR ablated (`host.sessions` False) only a preempted
+sequence's own KV, swapped out and back, while a finished call keeps nothing for its session.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Batcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.model_context = max_context
-        self.host = host  # HKVR: finished and preempted KV is saved to host, admissions restore from it
+        self.host = host  # finished (HKVR) and preempted KV is saved to host, admissions restore from it
         self.saves: list[SaveOp] = []  # host checkpoints decided since the last step
         self.restores: list[tuple[int, int]] = []  # (slab, page) restores decided since the last step
         self.pinned_pages: dict[int, list[int]] = {}  # ticket -> device pages its D2H copy reads
@@ -197,21 +200,28 @@ class Batcher:
         """(device pages, host pages, host states) of `seq`'s prompt prefix this instance holds and it
         may resume from: no side effects. Host states is 1 when its state snapshot comes from host
         (a stateful cache whose snapshot is not on the device), else 0."""
-        usable = self._usable(seq)
-        on_device, n = self._resume(usable)
-        where = snapshot_at(self.pages, self.host, self.model, usable[n - 1]) if n and self.pages.stateful else None
+        usable, host = self._usable(seq), self._host_for(seq)
+        on_device, n = self._resume(usable, host)
+        where = snapshot_at(self.pages, host, self.model, usable[n - 1]) if n and self.pages.stateful else None
         return min(on_device, n), max(0, n - on_device), int(where is not None and not where[0])
 
-    def _resume(self, usable: list[int]) -> tuple[int, int]:
+    def _host_for(self, seq: Sequence) -> HostKVRegistry | None:
+        """The host KV `seq` may restore from: under HKVR the registry; with HKVR ablated, only a
+        sequence that was preempted, whose own swapped-out KV it holds (none for a new call)."""
+        if self.host is None or not (self.host.sessions or seq.computed_high):
+            return None
+        return self.host
+
+    def _resume(self, usable: list[int], host: HostKVRegistry | None) -> tuple[int, int]:
         """(pages of `usable` cached on the device, pages a sequence may resume from): the longest
-        prefix on the device, or on the device then the host, cut by the layout's resume rule to a
+        prefix on the device, or on the device then `host`, cut by the layout's resume rule to a
         snapshot published on either."""
         on_device = len(self.pages.match_prefix(usable))
-        on_host = len(self.host.peek(self.model, usable)) if self.host is not None else 0
+        on_host = len(host.peek(self.model, usable)) if host is not None else 0
         n = max(on_device, on_host)
         if self.pages.stateful:
             n = self.pages.layout.resume_pages(
-                n, lambda k: snapshot_at(self.pages, self.host, self.model, usable[k - 1]) is not None)
+                n, lambda k: snapshot_at(self.pages, host, self.model, usable[k - 1]) is not None)
         return on_device, n
 
     def _reserve_slot(self, seq: Sequence, planned: set[int]) -> bool:
@@ -241,18 +251,19 @@ class Batcher:
         passed over will take)."""
         if len(self.running) + held_seqs >= self.max_running:
             return False
-        usable = self._usable(seq)
-        resume = self._resume(usable)[1] if self.pages.stateful else len(usable)  # stateless: any cached page
+        usable, host = self._usable(seq), self._host_for(seq)
+        resume = self._resume(usable, host)[1] if self.pages.stateful else len(usable)  # stateless: any cached page
         cached = self.pages.match_prefix(usable)[:resume]
         newly_referenced = sum(1 for p in cached if self.pages.is_free(p))
         need = self.pages.pages_for(len(seq.token_ids)) - len(cached)
         if need + newly_referenced + held_pages > self.pages.num_free:
             return False
-        if self.pages.stateful and not self.states.take(self.pages, seq, usable[resume - 1] if resume else None):
+        if self.pages.stateful and not self.states.take(self.pages, seq, usable[resume - 1] if resume else None,
+                                                        host is not None):
             return False
         self.pages.acquire(cached)
         fresh = self.pages.allocate(need)
-        slabs = self.host.match(self.model, usable[:resume])[len(cached):] if self.host is not None else []
+        slabs = host.match(self.model, usable[:resume])[len(cached):] if host is not None else []
         for i, (slab, page) in enumerate(zip(slabs, fresh)):  # the host holds more of the prefix
             self.restores.append((slab, page))
             self.pages.publish(page, usable[len(cached) + i])
@@ -279,11 +290,11 @@ class Batcher:
         self.running.append(seq)
         return True
 
-    def _release(self, seq: Sequence) -> None:
-        """Return a sequence's pages and state slot; with HKVR, first checkpoint its computed full
-        pages to host, and its latest state snapshot with them."""
+    def _release(self, seq: Sequence, save: bool = True) -> None:
+        """Return a sequence's pages and state slot; with a host registry and `save`, first checkpoint
+        its computed full pages to host, and its latest state snapshot with them."""
         full = seq.num_computed // self.pages.page_size
-        if self.host is not None and full:
+        if self.host is not None and save and full:
             chain = self._hash_chain(seq)[:full]
             state_after = len(self.pages.resume_prefix(chain)) if self.pages.stateful else 0
             ticket = self.host.begin_save(self.model, chain, state_after)
@@ -386,7 +397,7 @@ class Batcher:
         """Drop a finished or cancelled sequence and release its pages (they stay cached)."""
         if seq.status is SeqStatus.RUNNING:
             seq.page_hashes = tuple(self._hash_chain(seq)[: seq.num_computed // self.pages.page_size])
-            self._release(seq)
+            self._release(seq, save=self.host is not None and self.host.sessions)  # HKVR: kept for the return
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)

@@ -276,6 +276,8 @@ class Scheduler:
         last page is looked up, which says where a whole prefix is unless part of it was evicted."""
         out = []
         host, ps = self.memory.host, self.memory.page_size
+        if host is not None and not host.sessions:
+            host = None  # HKVR ablated: what the host holds is in-flight swaps, never a session's return
         for session, (model, chain) in self._sessions.items():
             pool = self.batchers[model].pages
             probe = chain if exact else chain[-1:]

@@ -39,11 +39,12 @@ class StateOps:
         self._host_pins: list[int] = []  # host state slabs being restored
         self._device_pins: list[int] = []  # device snapshots being copied into live slots
 
-    def take(self, pages: PageManager, seq: Sequence, resume_hash: int | None) -> bool:
+    def take(self, pages: PageManager, seq: Sequence, resume_hash: int | None, from_host: bool = True) -> bool:
         """A live state slot for `seq`, loaded from the snapshot it resumes from (after the page
-        hashed `resume_hash`), or zeroed when it starts from its first token; False (nothing
-        changed) when every slot is live or being copied."""
-        where = snapshot_at(pages, self.host, self.model, resume_hash) if resume_hash is not None else None
+        hashed `resume_hash`; on the device, or on host when `from_host`), or zeroed when it starts
+        from its first token; False (nothing changed) when every slot is live or being copied."""
+        host = self.host if from_host else None
+        where = snapshot_at(pages, host, self.model, resume_hash) if resume_hash is not None else None
         if resume_hash is not None and where is None:
             raise StateOpsError(f"model {self.model!r}: a sequence resumes after page {resume_hash:#x}, "
                                 "which has no state snapshot")

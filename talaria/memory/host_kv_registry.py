@@ -17,6 +17,11 @@ them while the DMA runs; `finish_save` publishes only the pages every TP rank ag
 a half-written slab (App. B, "Lifetime separation" and "Prefix agreement"). DMA pins are counted
 apart from publication: a pinned slab is never evicted; unpinned published entries are evicted
 least recently used first. No tensors here: the engine copies the bytes into the slabs named here.
+
+With HKVR ablated the registry still swaps: a sequence preempted while running (at a slot's close, or
+on KV pressure) is saved here and restored when it resumes, as the round scheduler's own state (paper
+§3.4: "a sequence that remains active throughout the round", Eq. (4)). Only HKVR's keeping of a
+finished call's prefix for its session's return is off then (`sessions` False): see the Batcher.
 """
 
 from __future__ import annotations
@@ -153,15 +158,18 @@ class HostKVRegistry:
     publish, match, evict."""
 
     def __init__(self, num_slabs: int, slab_bytes: int, state_slabs: int = 0, state_bytes: int = 0,
-                 layouts: Mapping[str, KVLayout] | None = None) -> None:
+                 layouts: Mapping[str, KVLayout] | None = None, sessions: bool = True) -> None:
         """`layouts`: each model's cache layout, whose resume rule `resumable` applies (a model left
-        out resumes at any page); state snapshots go to `state_slabs` slabs of `state_bytes`."""
+        out resumes at any page); state snapshots go to `state_slabs` slabs of `state_bytes`.
+        `sessions`: HKVR proper, a finished call's prefix is kept for its session's next call; False
+        (HKVR ablated): only sequences preempted in flight are swapped here, each restoring its own."""
         if num_slabs <= 0 or slab_bytes <= 0 or state_slabs < 0 or (state_slabs and state_bytes <= 0):
             raise ValueError(f"host KV registry needs positive sizes, got {num_slabs} slabs "
                              f"of {slab_bytes} bytes and {state_slabs} state slabs of {state_bytes} bytes")
         self.num_slabs = num_slabs
         self.slab_bytes = slab_bytes
         self.layouts = dict(layouts or {})
+        self.sessions = sessions
         self._pools = {Kind.PAGE: _Pool(num_slabs, slab_bytes), Kind.STATE: _Pool(state_slabs, state_bytes)}
         self._slab_of: dict[Key, int] = {}  # every entry, published or in flight
         self._tickets: dict[int, SaveTicket] = {}

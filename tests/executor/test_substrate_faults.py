@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from talaria.config.schema import Pool
+from talaria.config.schema import Ablation, Pool
 from talaria.contracts.call import SamplingParams
 from talaria.contracts.vocabulary import KVLocation
 from talaria.executor.driver import Driver
@@ -290,3 +290,36 @@ def test_preempted_kv_is_restored_from_host_and_outputs_match(exhausted):
 def test_preemption_host_restores_show_in_instance_stats(exhausted):
     core, _, _, restores = exhausted
     assert core.stats().host_restored_tokens == len(restores) * PS
+
+
+def test_without_hkvr_a_switch_swaps_a_running_call_out_and_back_and_outputs_match(two):
+    """HKVR ablated (poison on): a call still decoding when its model is switched away is saved to
+    host and restored when its model is back, and yields the uninterrupted run's tokens; the
+    session's next call finds nothing on host (HKVR proper is off) and is recomputed."""
+    files, refs = two
+    a, b = files
+    core = engine(files, **{**SUBSTRATE, "ablations": (Ablation.HKVR,)})
+    restores: list[tuple[int, int]] = []
+    before_step = core.executor.substrate.before_step
+
+    def spy(ops):
+        restores.extend(ops.restores)
+        return before_step(ops)
+    core.executor.substrate.before_step = spy
+    prompt = prompt_of(29, seed=9)
+    outs = core.add(call("s-1", a.name, prompt))
+    while len(tokens(outs)) < 3:  # its prompt is in, three tokens decoded: still running
+        outs += core.step()
+    switch_now(core, b.name)  # the slot closes under it
+    rest = run(core, [call("o-1", b.name, prompt_of(17, seed=10))])  # b's call, then back to a for s-1
+    assert tokens(rest["o-1"]) == refs[b.name].greedy(prompt_of(17, seed=10), GREEDY.max_tokens)
+    first = tokens(outs + rest["s-1"])
+    assert first == refs[a.name].greedy(prompt, GREEDY.max_tokens)
+    assert len(restores) == (len(prompt) + 2) // PS  # its full pages at the switch came back from host
+    assert core.stats().lost_tokens == 0
+    cont = prompt + first + [1, 2, 3]
+    switch_now(core, b.name)
+    switch_now(core, a.name)
+    out = run(core, [call("s-2", a.name, cont)])["s-2"]
+    assert out[-1].usage.cached_tokens == 0 and out[-1].usage.restored_tokens == 0
+    assert tokens(out) == refs[a.name].greedy(cont, GREEDY.max_tokens)

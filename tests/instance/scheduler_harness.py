@@ -143,19 +143,20 @@ class Instance:
 
 def instance(*models: str, now: float = 0.0, max_batch_tokens: int = 32, rounds: RoundConfig = ROUNDS,
              extra_pages: int = 0, learn: bool = True, hkvr: bool = True, hot: bool = False,
-             host_slabs: int = 16, prefill_base_s: float = 0.0) -> Instance:
+             host_slabs: int = 16, prefill_base_s: float = 0.0, ablations: tuple[Ablation, ...] = ()) -> Instance:
     """An instance serving `models`, assembled as every instance is, the first model open at `now`.
     `learn`: the cost model folds measured step times in (off: predictions stay the profile's).
     `hkvr`: a host KV registry of `host_slabs` pages (off: KV dropped at a switch is recomputed).
     `hot`: a hot pool of one model (continuous batching, no rounds). `prefill_base_s`: every prefill
-    step's fixed cost (0: the toy prefill is per token only)."""
+    step's fixed cost (0: the toy prefill is per token only). `ablations`: ablated besides staging."""
     arena = 3584 + extra_pages * PAGE_BYTES
     layout = BumpLayout(arena, 256)
     for m in models:
         layout.register(m, WEIGHTS[m], LAYOUT)
     config = InstanceConfig("inst0", Pool.HOT if hot else Pool.COLD, models, arena_bytes=arena, page_size=PS,
                             max_batch_tokens=max_batch_tokens, max_running=8,
-                            host_kv_bytes=host_slabs * PAGE_BYTES if hkvr else 0, ablations=(Ablation.STAGING,))
+                            host_kv_bytes=host_slabs * PAGE_BYTES if hkvr else 0,
+                            ablations=(Ablation.STAGING, *ablations))
     round_config = RoundConfig(**{**{f: getattr(rounds, f) for f in RoundConfig.__slots__},
                                   "max_batch_tokens": max_batch_tokens})
     events, clock = CopyEventsStandIn(), FakeClock(now)

@@ -47,7 +47,9 @@ def test_a_cold_instance_gets_rounds_host_kv_staging_and_its_first_model_open():
 
 def test_ablations_and_a_hot_pool_build_less():
     s = build(dataclasses.replace(COLD, ablations=(Ablation.HKVR, Ablation.STAGING, Ablation.SP)))
-    assert s.memory.host is None and s.memory.stager is None and not s.rounds.config.sp
+    # HKVR ablated, the host only swaps preempted sequences; with no host KV budget there is none at all
+    assert not s.memory.host.sessions and s.memory.stager is None and not s.rounds.config.sp
+    assert build(dataclasses.replace(COLD, host_kv_bytes=0)).memory.host is None
     hot = build(InstanceConfig("h", Pool.HOT, ("a",), arena_bytes=4096, page_size=PS), models=("a",))
     assert hot.rounds is None and hot.memory.stager is None and hot.active == "a"
     assert build(COLD, learn=False).costs.alpha == 0.0

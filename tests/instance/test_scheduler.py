@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from talaria.config.schema import Ablation
 from talaria.contracts.call import (
     CallOutput,
     CallTimings,
@@ -210,6 +211,42 @@ def test_the_preempted_sequence_is_restored_from_host_when_its_model_is_active_a
     assert out.usage == Usage(prompt_tokens=7, completion_tokens=5, cached_tokens=0, restored_tokens=0)
     assert out.timings == CallTimings(queued_s=0.0, prefill_s=0.0, decode_s=1.125, first_token_at=0.0,
                                        service_s=1.125)
+
+
+def test_without_hkvr_a_switch_swaps_the_running_sequence_but_keeps_no_finished_prefix():
+    """HKVR ablated: host KV holds only what a slot's close takes from running sequences (they stay
+    active through the round, paper Eq. (4)); a finished call leaves nothing for its session."""
+    inst = instance("a", "b", ablations=(Ablation.HKVR,))
+    inst.scheduler.add(call("r0", "a", P0, max_tokens=1))
+    inst.scheduler.add(call("r1", "a", P1, max_tokens=5))
+    plan, out = inst.step(50)
+    assert [o.finish for o in out] == [FinishReason.LENGTH, None]
+    inst.clock.now = 0.125
+    plan, _ = inst.step(51)
+    assert plan.ops.saves == ()  # r0 finished: under HKVR its full page would go to host here
+    inst.clock.now = 0.25
+    inst.scheduler.add(call("rb", "b", max_tokens=1))
+    inst.step(52)
+    inst.clock.now = 0.5
+    inst.scheduler.force_switch("b")
+    plan, _ = inst.step()
+    assert plan.ops.saves == (SaveOp(0, 1, ((2, 0), (3, 1))),)  # r1's two full pages, swapped out
+    inst.clock.now = 0.75
+    inst.step(60)  # rb on b
+    inst.clock.now = 0.875
+    assert kind(inst.step()[0]) == "-> a"
+    inst.clock.now = 1.0
+    plan, out = inst.step(53)
+    assert plan.ops.restores == ((0, 0), (1, 1)) and plan.chunks[0].start_pos == 8  # swapped back in
+    assert out == [CallOutput("r1", (53,), committed_kv_tokens=10)]
+    assert inst.scheduler.batchers["a"].lost_tokens == 0
+    inst.clock.now = 1.125
+    inst.step(54)
+    turn2 = (*P0, 50, 70, 71, 72)  # r0's session comes back: its prefix was never saved
+    inst.scheduler.add(call("t2", "a", turn2, max_tokens=1))
+    plan, [out] = inst.step(80)
+    assert plan.ops.restores == () and plan.chunks[0].start_pos == 0
+    assert out.usage == Usage(prompt_tokens=9, completion_tokens=1, cached_tokens=0, restored_tokens=0)
 
 
 def test_a_returning_session_restores_its_prefix_from_host_and_counts_it():
