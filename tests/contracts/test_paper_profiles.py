@@ -107,6 +107,8 @@ def test_costs_are_positive_where_a_mechanism_charges_them(loaded):
     assert min(p.bandwidth.h2d_bytes_per_s, p.bandwidth.d2h_bytes_per_s) > 0
     assert p.bandwidth.d2d_bytes_per_s > p.bandwidth.h2d_bytes_per_s
     for name, m in p.models.items():
-        assert m.weights_bytes > 0 and m.token_bytes > 0 and m.state_bytes == 0, name
+        assert m.weights_bytes > 0 and m.token_bytes > 0, name
+        # a hybrid model keeps one recurrent state per sequence (paper-tp4 does not give it yet)
+        assert (m.state_bytes > 0) is ("Qwen3.5" in name and p.tp == 8), name
         assert m.prefill.per_token_s > 0 and m.decode.base_s > 0, name
         assert p.restore_s(name, 25_000) > 0 and p.decode_s(name, 1) > 0, name
