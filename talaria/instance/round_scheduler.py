@@ -155,7 +155,7 @@ class RoundScheduler:
             protected[m] = math.ceil(cfg.round_s / cfg.tpot_s)
             b = self.batchers[m]  # its P, then its calls' decode: the longest output expected of them
             fixed[m], p_s = self.prompts.p_phase(m, b, cfg.max_batch_tokens)
-            demand[m] = max(protected[m], b.longest_output(len(b.running) + len(b.waiting))) * t_d + p_s
+            demand[m] = max(protected[m], b.outputs.longest(len(b.running) + len(b.waiting))) * t_d + p_s
         queue = SLOT_ORDERS[cfg.order](with_work, self._order, active, demand)
         queue, switches, budgets, deferred = self._guard.slots(
             queue, demand, lambda q: self._switches(q, active), SLOT_LENGTHS[cfg.length], cfg.round_s, fixed)

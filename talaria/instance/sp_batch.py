@@ -36,7 +36,7 @@ no SP step runs).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,7 +45,7 @@ from talaria.config.schema import SpBatch
 T = TypeVar("T")
 
 
-def share(outputs: list[int], generated: int, lo: float, hi: float) -> float:
+def share(outputs: Sequence[int], generated: int, lo: float, hi: float) -> float:
     """Of the observed outputs (sorted) longer than `generated` tokens, the share that ended after
     more than `lo` and at most `hi` further tokens: the chance a call that has generated `generated`
     tokens finishes in that window. 0 when no observed output is that long."""
@@ -64,7 +64,7 @@ class SpOpportunity:
     later_s: float  # L: from the slot's end to the model's next P (the round's later slots and switches)
     step_s: float  # t_D: one decode step of the slot's batch
     generated: tuple[int, ...]  # tokens each decoding sequence has generated so far
-    outputs: list[int]  # output lengths of the model's calls finished here, sorted ([]: none yet)
+    outputs: Sequence[int]  # output lengths of the model's calls finished here, sorted (empty: none yet)
 
     def net_s(self, works: list[float]) -> float:
         """Seconds of completion brought forward, less those pushed back, by a step admitting `works`."""

@@ -15,7 +15,7 @@ import pytest
 from talaria.contracts.call import FinishReason, InstanceCall, SamplingParams
 from talaria.contracts.step_plan import SeqChunk, StepPlan
 from talaria.instance.batcher import Batcher
-from talaria.instance.sequence import SeqStatus, Sequence
+from talaria.instance.sequence import OutputLengths, SeqStatus, Sequence
 from talaria.memory.page_manager import PageManager
 
 EOS = 2
@@ -405,7 +405,10 @@ def test_a_prompt_that_could_never_fit_finishes_with_error_at_add():
 
 def test_the_longest_output_expected_of_n_calls_is_the_n_over_n_plus_1_quantile_of_those_seen():
     b = batcher()
-    assert b.longest_output(4) == 0  # none finished yet
+    assert b.outputs.longest(4) == 0  # none finished yet
     for tokens in (50, 10, 40, 20, 30):
-        b._record_output(tokens)
-    assert [b.longest_output(n) for n in (0, 1, 2, 4, 100)] == [0, 30, 40, 50, 50]
+        b.outputs.add(tokens)
+    assert [b.outputs.longest(n) for n in (0, 1, 2, 4, 100)] == [0, 30, 40, 50, 50]
+    for _ in range(OutputLengths.KEPT - 4):  # one more than KEPT: the oldest, 50, falls out
+        b.outputs.add(1)
+    assert b.outputs[-1] == 40 and len(b.outputs) == OutputLengths.KEPT
