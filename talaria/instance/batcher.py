@@ -286,11 +286,12 @@ class Batcher:
         self.running.append(seq)
         return True
 
-    def _release(self, seq: Sequence, save: bool = True) -> None:
-        """Return a sequence's pages and state slot; with a host registry and `save`, first checkpoint
-        its computed full pages to host, and its latest state snapshot with them."""
+    def _release(self, seq: Sequence, finished: bool = False) -> None:
+        """Return a sequence's pages and state slot; with a host registry, first checkpoint its computed
+        full pages to host, and its latest state snapshot with them: a preempted sequence's always (it
+        resumes from them), a finished one's only under HKVR (for its session's next call)."""
         full = seq.num_computed // self.pages.page_size
-        if self.host is not None and save and full:
+        if self.host is not None and full and (self.host.sessions or not finished):
             chain = self._hash_chain(seq)[:full]
             state_after = len(self.pages.resume_prefix(chain)) if self.pages.stateful else 0
             ticket = self.host.begin_save(self.model, chain, state_after)
@@ -379,7 +380,7 @@ class Batcher:
         """Drop a finished or cancelled sequence and release its pages (they stay cached)."""
         if seq.status is SeqStatus.RUNNING:
             seq.page_hashes = tuple(self._hash_chain(seq)[: seq.num_computed // self.pages.page_size])
-            self._release(seq, save=self.host is not None and self.host.sessions)  # HKVR: kept for the return
+            self._release(seq, finished=True)
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)

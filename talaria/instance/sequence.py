@@ -83,7 +83,7 @@ class OutputLengths(SequenceABC):
     def __len__(self) -> int:
         return len(self._sorted)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int | slice) -> int | list[int]:
         return self._sorted[i]
 
     def add(self, tokens: int) -> None:

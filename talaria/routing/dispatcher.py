@@ -33,10 +33,7 @@ from talaria.contracts.call import Usage
 from talaria.contracts.events import Event, EventKind
 from talaria.contracts.instance_handle import InstanceHandle
 from talaria.node.errors import InstanceUnavailable
-from talaria.routing.admission_line import (
-    AdmissionLine,
-    Waiting,
-)
+from talaria.routing.admission_line import AdmissionLine, Waiting
 from talaria.routing.continuity import (
     DEFAULT_PAGE,
     MESSAGE_ROOT,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from talaria.contracts.arch import ModelArch
+from talaria.contracts.kv_layout import kv_layout
 from talaria.contracts.profile import PHASE_NAMES, Profile
 from talaria.contracts.profile_file import load_profile
 from talaria.contracts.vocabulary import SwitchPath
@@ -112,3 +114,17 @@ def test_costs_are_positive_where_a_mechanism_charges_them(loaded):
         assert (m.state_bytes > 0) is ("Qwen3.5" in name and p.tp == 8), name
         assert m.prefill.per_token_s > 0 and m.decode.base_s > 0, name
         assert p.restore_s(name, 25_000) > 0 and p.decode_s(name, 1) > 0, name
+
+
+def test_qwen35s_sizes_are_the_engines_layout_of_its_stated_dims():
+    """paper-tp8's Qwen3.5-122B-A10B token and state bytes are what the engine lays out (kv_layout) at
+    TP 8 for the dims its sources state: 48 layers, 3 Gated DeltaNet to 1 attention, 2 KV heads of 256,
+    DeltaNet 16 key / 64 value heads of 128, conv kernel 4; BF16 cache, FP32 recurrent state."""
+    arch = ModelArch(vocab_size=1, hidden_size=3072, intermediate_size=0, num_layers=48, num_heads=32,
+                     num_kv_heads=2, head_dim=256, max_position=8192, family="qwen3_5_moe",
+                     layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 12,
+                     linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    layout = kv_layout(arch, 8, 16, "bfloat16")
+    m = load_profile(TP8).model("Qwen3.5-122B-A10B")
+    assert (m.token_bytes, m.state_bytes) == (layout.token_bytes, layout.state_bytes)
