@@ -111,8 +111,11 @@ class RoundScheduler:
         self.round.time["SP" if phase is Phase.SP else "P" if phase is Phase.P else "D"] += took
         self.costs.observe(model, "decode" if phase in DECODE_PHASES else "prefill", predicted, took)
 
-    def interrupt(self) -> None:
-        """A forced switch: close the slot and the round here; the next round starts afresh."""
+    def close(self) -> None:
+        """Close the open slot and round now; the next round starts afresh. On a forced switch, and
+        when nothing is left to run: an idle gap is no part of a round (the instance steps no more, so
+        the slot would stay open through the gap, and its round report the gap as an overrun of its
+        bound: deadline risk that was never there, which keeps the router from placing calls here)."""
         now = self.clock()
         if self.slot is not None:
             self._close_slot(now, keep_round=False)

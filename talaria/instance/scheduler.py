@@ -105,6 +105,7 @@ class Scheduler:
             return []
         self.batchers[seq.model].remove(seq)
         seq.finish = FinishReason.CANCELLED
+        self._settle()
         return [self._output(seq)]
 
     def fail(self, request_id: str, why: str) -> list[CallOutput]:
@@ -114,6 +115,7 @@ class Scheduler:
             return []
         self.batchers[seq.model].remove(seq)
         seq.finish = FinishReason.ERROR
+        self._settle()
         return [replace(self._output(seq), error=why)]
 
     def call_of(self, seq_id: int) -> InstanceCall:
@@ -138,7 +140,7 @@ class Scheduler:
         forced, self._forced = self._forced, None
         if forced is not None and forced != self.active:
             if self.rounds is not None:
-                self.rounds.interrupt()
+                self.rounds.close()
             return self._switch(forced)
         if self.rounds is None:
             step = self.batchers[self.active].plan(self.clock())
@@ -192,6 +194,7 @@ class Scheduler:
         self.memory.switched(plan.model, self._next_model())
         if self.rounds is not None:
             self.rounds.committed()
+            self._settle()  # its calls may have been cancelled during the switch
         if record is not None:
             self.switches.append(record)
             self.switch_count += 1
@@ -227,7 +230,15 @@ class Scheduler:
                 seq.first_token_at = now
             seq.last_token_at = now
             outputs.append(self._output(seq))
+        self._settle()
         return outputs
+
+    def _settle(self) -> None:
+        """Nothing is left to run: the open round ends with its work (RoundScheduler.close). A step or
+        switch in flight settles at its commit."""
+        rounds = self.rounds
+        if rounds is not None and rounds.in_flight is None and not any(b.has_work for b in self.batchers.values()):
+            rounds.close()
 
     def _output(self, seq: Sequence) -> CallOutput:
         new = tuple(seq.token_ids[seq.num_prompt + seq.num_emitted:])

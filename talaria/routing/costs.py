@@ -28,7 +28,8 @@ room in the KV pool. `work_s` prices one call for that load.
 Deadline risk: a cold instance reports its recent rounds (`RoundState.last_rounds`). When they ran
 past their bound (`round_s`: slots overran their budgets, work was left for a later slot), the rest
 of the open round, predicted from its budgets, is short by about as much: the mean overrun of those
-rounds is added to the slot wait. It makes such an instance a worse target and its models' holders
+rounds is added to the slot wait. Between rounds (an idle instance) there is no slot to wait for:
+the call opens the next round itself (`slot_wait_s`). It makes such an instance a worse target and its models' holders
 costlier, so Eq. (2) opens a replica elsewhere sooner (paper §3.3: "deadline-risk telemetry makes
 an underestimated instance less attractive in subsequent decisions").
 
@@ -130,6 +131,16 @@ def window_gain(saving_s: float, per_call_s: float, calls: float) -> float:
     return k * saving_s - per_call_s * k * (k - 1)  # sum over i < k of (saving - 2 i per_call)
 
 
+def slot_wait_s(rounds: RoundState) -> float:
+    """How long a call of a model that is not active waits for its slot: the rest of the open round,
+    plus the deadline risk. Between rounds (an idle instance) nothing: the call opens the next round
+    at once, and only its switch (C_act) is in its way; how far past rounds overran says nothing
+    about a round not yet open."""
+    if rounds.round is None:
+        return 0.0
+    return rounds.round_remaining_s + round_overrun_s(rounds)
+
+
 def round_overrun_s(rounds: RoundState) -> float:
     """Deadline risk in seconds: how far the instance's recent rounds ran past their bound, on average
     (0 when they kept to it, or none has finished)."""
@@ -161,7 +172,7 @@ class PlacementCosts:
                 coverage = s.substrate.get("staging_coverage", 0.0) if staged else 0.0
                 path = SwitchPath.for_coverage(coverage).value
                 c_act = p.switch_s(model, coverage) * scale.get(f"{model}/switch:{path}", 1.0)
-            wait = s.rounds.round_remaining_s + round_overrun_s(s.rounds) if (s.rounds is not None and not active) else 0.0
+            wait = slot_wait_s(s.rounds) if s.rounds is not None and not active else 0.0
             free = s.kv_pages_total - (s.kv_pages_used if active else 0)
             admit = self.config.admit_rounds * s.rounds.round_s if s.rounds is not None else self.config.max_queue_s
             layout = mp.layout(max(1, s.page_size))  # a snapshot without a page size: resume anywhere

@@ -18,6 +18,7 @@ from talaria.contracts.call import (
     CallOutput,
     CallTimings,
     FinishReason,
+    InstanceCall,
     Usage,
 )
 from talaria.contracts.step_plan import (
@@ -95,6 +96,28 @@ def test_a_forced_switch_goes_first_at_the_next_plan():
     inst.clock.now = 0.25
     plan, _ = inst.step()
     assert kind(plan) == "-> a"
+
+
+def test_an_idle_gap_is_no_part_of_a_round():
+    """The rank loop stops stepping when nothing has work: the round ends there, with its work. Left
+    open, it would be closed by the next call, 30 s later, with the gap in its wall time: an overrun
+    of its 1 s bound that the router reads as deadline risk, and holds calls of the other model at
+    the gateway of an idle instance (the 429s the fuzz test saw)."""
+    inst = instance("a", "b")
+
+    def serve(request: InstanceCall) -> None:  # as the rank loop does: it plans only while there is work
+        inst.scheduler.add(request)
+        while inst.scheduler.has_work:
+            inst.advance()
+
+    serve(call("ra", "a", prompt=(10,), max_tokens=2))  # less than a page: no save keeps it stepping
+    assert inst.scheduler.stats().rounds.round is None
+    inst.clock.now += 30.0
+    serve(call("rb", "b", prompt=(10,), max_tokens=2))
+    rounds = inst.scheduler.stats().rounds
+    assert rounds.round is None
+    assert [r["slots"][0]["model"] for r in rounds.last_rounds] == ["a", "b"]
+    assert all(r["wall_s"] <= rounds.round_s for r in rounds.last_rounds)
 
 
 def test_forcing_the_active_model_does_nothing():
