@@ -201,6 +201,14 @@ class Batcher:
         where = snapshot_at(self.pages, host, self.model, usable[n - 1]) if n and self.pages.stateful else None
         return min(on_device, n), max(0, n - on_device), int(where is not None and not where[0])
 
+    def holds_prefix(self, seq: Sequence) -> bool:
+        """`any(self.reusable(seq))`, asked at every SP opportunity of every waiting call: without
+        per-sequence state, the first page, on the device or the host, decides it."""
+        if self.pages.stateful:
+            return any(self.reusable(seq))
+        first, host = self._usable(seq)[:1], self._host_for(seq)
+        return bool(first) and bool(self.pages.match_prefix(first) or host is not None and host.peek(self.model, first))
+
     def _host_for(self, seq: Sequence) -> HostKVRegistry | None:
         """The host KV `seq` may restore from: under HKVR the registry; with HKVR ablated, only a
         sequence that was preempted, whose own swapped-out KV it holds (none for a new call)."""

@@ -112,10 +112,8 @@ class RoundScheduler:
         self.costs.observe(model, "decode" if phase in DECODE_PHASES else "prefill", predicted, took)
 
     def close(self) -> None:
-        """Close the open slot and round now; the next round starts afresh. On a forced switch, and
-        when nothing is left to run: an idle gap is no part of a round (the instance steps no more, so
-        the slot would stay open through the gap, and its round report the gap as an overrun of its
-        bound: deadline risk that was never there, which keeps the router from placing calls here)."""
+        """Close the open slot and round now: on a forced switch, and when nothing is left to run (an
+        idle gap is no part of a round: reported as an overrun, it is deadline risk that was never there)."""
         now = self.clock()
         if self.slot is not None:
             self._close_slot(now, keep_round=False)
@@ -342,7 +340,7 @@ class RoundScheduler:
         this instance (device-resident or host-restorable)."""
         if seq.seq_id in s.p_set or seq.admitted_once or seq.call.session_id is None:
             return False
-        return self._known(seq.call.session_id) and any(b.reusable(seq))
+        return self._known(seq.call.session_id) and b.holds_prefix(seq)
 
     def _step(self, s: Slot, now: float, phase: Phase, chunks: list[SeqChunk], predicted: float) -> Step:
         if phase is not s.phase:

@@ -98,6 +98,7 @@ class Stager:
         self._placed: tuple[StagedChunk, ...] = ()  # chunks 0..len-1, the ones with a destination
         self._state: list[ChunkState] = []  # per chunk of _srcs
         self._spans: list[tuple[int, int, int]] = []  # (first page, end page, chunk index), by first page
+        self._held = 0  # bytes of the placed chunks that are CLEAN or WRITING (held_bytes)
 
     # ---- targeting -------------------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class Stager:
         cb = self.chunk_bytes
         self._srcs = tuple(Region(s, min(s + cb, weight_bytes_b)) for s in range(0, weight_bytes_b, cb))
         self._state = [ChunkState.MISSING] * len(self._srcs)
+        self._held = 0
         # invariant: every staged source lies at or above `floor`, and every gather destination lies
         # in B's weights region [0, weight_bytes_b) below it, so D2D copies never read overwritten bytes;
         # and at or above the page pool's start, so staging never overwrites the active model's state slots
@@ -153,6 +155,7 @@ class Stager:
         self._check_idle("clear the target")
         self._target = None
         self._srcs, self._placed, self._state, self._spans = (), (), [], []
+        self._held = 0
 
     # ---- the staging loop ------------------------------------------------------------------
 
@@ -166,6 +169,7 @@ class Stager:
         for c in self._placed:
             if self._state[c.index] in (ChunkState.MISSING, ChunkState.DIRTY) and all_free(c.pages):
                 self._state[c.index] = ChunkState.WRITING
+                self._held += c.src.size
                 return c
         return None
 
@@ -209,6 +213,7 @@ class Stager:
                                        "to it; the allocator must skip blocked_pages()")
                 if self._state[j] is ChunkState.CLEAN:
                     self._state[j] = ChunkState.DIRTY
+                    self._held -= self._placed[j].src.size
 
     # ---- the switch ------------------------------------------------------------------------
 
@@ -268,8 +273,9 @@ class Stager:
 
     def held_bytes(self) -> int:
         """Device bytes the staged image occupies now: chunks written (CLEAN) or being written. A
-        DIRTY chunk's bytes belong to the KV pages that overwrote it, so they are not counted twice."""
-        return sum(c.src.size for c in self._placed if self._state[c.index] in (ChunkState.CLEAN, ChunkState.WRITING))
+        DIRTY chunk's bytes belong to the KV pages that overwrote it, so they are not counted twice.
+        Kept as the states change: the simulator asks after every step."""
+        return self._held
 
     def _check_idle(self, what: str) -> None:
         writing = [c.index for c in self._placed if self._state[c.index] is ChunkState.WRITING]

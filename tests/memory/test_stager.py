@@ -293,6 +293,12 @@ def test_held_bytes_count_written_and_in_flight_chunks_but_not_dirty_ones():
     assert s.held_bytes() == 10_000
     s.on_allocate([19])  # chunk 2's bytes now belong to a KV page
     assert s.held_bytes() == 8192
+    s.on_allocate([19])  # dirty already: nothing more leaves
+    assert s.held_bytes() == 8192
+    s.written(s.next_chunk(all_free))  # restaged
+    assert s.held_bytes() == 10_000
+    s.clear()
+    assert s.held_bytes() == 0
 
 
 def test_switch_path_severity_order():
