@@ -112,8 +112,7 @@ class RoundScheduler:
         self.costs.observe(model, "decode" if phase in DECODE_PHASES else "prefill", predicted, took)
 
     def close(self) -> None:
-        """Close the open slot and round now: on a forced switch, and when nothing is left to run (an
-        idle gap is no part of a round: reported as an overrun, it is deadline risk that was never there)."""
+        """Close the open slot and round now: on a forced switch, and when nothing is left to run."""
         now = self.clock()
         if self.slot is not None:
             self._close_slot(now, keep_round=False)

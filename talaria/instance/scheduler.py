@@ -234,8 +234,10 @@ class Scheduler:
         return outputs
 
     def _settle(self) -> None:
-        """Nothing is left to run: the open round ends with its work (RoundScheduler.close). A step or
-        switch in flight settles at its commit."""
+        """Nothing is left to run: the open round ends with its work (RoundScheduler.close). The rank
+        loop stops stepping here, so an open slot would last through the idle gap and its round report
+        the gap as an overrun: deadline risk that was never there. A step or switch in flight settles
+        at its commit."""
         rounds = self.rounds
         if rounds is not None and rounds.in_flight is None and not any(b.has_work for b in self.batchers.values()):
             rounds.close()
