@@ -203,11 +203,9 @@ class Batcher:
 
     def holds_prefix(self, seq: Sequence) -> bool:
         """`any(self.reusable(seq))`, asked at every SP opportunity of every waiting call: without
-        per-sequence state, the first page, on the device or the host, decides it."""
-        if self.pages.stateful:
-            return any(self.reusable(seq))
-        first, host = self._usable(seq)[:1], self._host_for(seq)
-        return bool(first) and bool(self.pages.match_prefix(first) or host is not None and host.peek(self.model, first))
+        per-sequence state, the first page decides it, so only that one is matched."""
+        usable = self._usable(seq)
+        return self._resume(usable if self.pages.stateful else usable[:1], self._host_for(seq))[1] > 0
 
     def _host_for(self, seq: Sequence) -> HostKVRegistry | None:
         """The host KV `seq` may restore from: under HKVR the registry; with HKVR ablated, only a

@@ -29,9 +29,9 @@ Deadline risk: a cold instance reports its recent rounds (`RoundState.last_round
 past their bound (`round_s`: slots overran their budgets, work was left for a later slot), the rest
 of the open round, predicted from its budgets, is short by about as much: the mean overrun of those
 rounds is added to the slot wait. Between rounds (an idle instance) there is no slot to wait for:
-the call opens the next round itself (`slot_wait_s`). It makes such an instance a worse target and its models' holders
-costlier, so Eq. (2) opens a replica elsewhere sooner (paper §3.3: "deadline-risk telemetry makes
-an underestimated instance less attractive in subsequent decisions").
+the call opens the next round itself (`slot_wait_s`). It makes such an instance a worse target and
+its models' holders costlier, so Eq. (2) opens a replica elsewhere sooner (paper §3.3: "deadline-risk
+telemetry makes an underestimated instance less attractive in subsequent decisions").
 
 Every price is the profile's, scaled by what the instance measured against it
 (`InstanceStats.cost_scale`: its EWMA of measured / profile-priced prefill, decode and opens by each

@@ -285,8 +285,11 @@ def test_a_returning_session_restores_its_prefix_from_host_and_counts_it():
     turn2 = (*P1, 50, 51, 70, 71, 72)  # the session comes back after its tool call
     inst.clock.now = 0.25
     inst.scheduler.add(call("t2", "a", turn2, max_tokens=1))
+    a = inst.scheduler.batchers["a"]
+    assert a.reusable(a.waiting[0]) == (2, 0, 0) and a.holds_prefix(a.waiting[0])  # a's pool, as it was left
     plan, _ = inst.step()
     assert kind(plan) == "-> a"
+    assert a.reusable(a.waiting[0]) == (0, 2, 0) and a.holds_prefix(a.waiting[0])  # a fresh pool: on host only
     plan, [out] = inst.step(80)
     assert plan.ops.restores == ((0, 0), (1, 1))
     # the restored tokens [0, 8): P1 and t1's first generated token
