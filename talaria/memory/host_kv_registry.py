@@ -41,6 +41,10 @@ class Kind(Enum):
     PAGE = "page"  # one page of per-token cache tensors
     STATE = "state"  # a per-sequence state snapshot, after the page its hash names
 
+    # members are singletons compared by identity: hash them so too, in C (Enum's own __hash__ is a
+    # Python call, and every registry key holds a Kind: 4.4M hashes in one simulated replay)
+    __hash__ = object.__hash__
+
 
 Key = tuple[str, int, Kind]  # (model, cumulative page hash, kind)
 
