@@ -257,7 +257,8 @@ class RouterConfig:
     queue_timeout_s: float = 30.0  # overload = "queue" or "sessions": a held call waits its predicted wait plus this
     max_queued: int = 256  # overload = "queue" or "sessions": calls held at once; more get 429
     max_waiting: int = 1024  # overload = "sessions": new sessions in the admission line at once; more get a longer 429
-    line_hold_s: float = 30.0  # overload = "sessions": a new session due within this is held until its turn, not sent a 429
+    line_hold_s: float = 30.0  # overload = "sessions": a new session due within this (and within 1.5 ttft_s of its
+    # first token) is held until its turn, not sent a 429
     peers: tuple[PeerConfig, ...] = ()  # [[router.peers]]: other nodes whose instances join the candidates
     # "NAME:PORT" (a headless Service's name): every address it resolves to, this node's own aside, is a peer,
     # reached at http://ADDRESS:PORT with this node's [server] peer_key (talaria/routing/peer_set.py)

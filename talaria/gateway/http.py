@@ -37,6 +37,8 @@ CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody re
 COUNTED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
                  "/v1/responses"}
 MESSAGES_API = "/v1/messages"  # paths under it answer errors in Anthropic's shape
+OPENAI_MAX_RETRY_AFTER_S = 120  # the OpenAI SDKs obey a Retry-After up to this and give up at once on a longer one
+# (openai-python's MAX_RETRY_AFTER_DELAY, `_should_retry`); Anthropic's SDKs obey any
 
 
 class SentThen(JSONResponse):
@@ -227,11 +229,16 @@ def error_handlers() -> dict:
                                                  SERVER_ERROR))
 
     async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)}
-        if exc.retry_after_ms is not None:  # read first by the OpenAI and Anthropic SDKs
-            headers["retry-after-ms"] = str(exc.retry_after_ms)
+        messages = request.url.path.startswith(MESSAGES_API)
+        after_s, after_ms = exc.retry_after_s, exc.retry_after_ms
+        if not messages and not exc.over_capacity and after_s > OPENAI_MAX_RETRY_AFTER_S:
+            # a new session's place in line is kept past this: its client asks again then and is told anew
+            after_s, after_ms = OPENAI_MAX_RETRY_AFTER_S, OPENAI_MAX_RETRY_AFTER_S * 1000
+        headers = {"Retry-After": str(after_s)}
+        if after_ms is not None:  # read first by the OpenAI and Anthropic SDKs
+            headers["retry-after-ms"] = str(after_ms)
         if exc.over_capacity:  # Anthropic's clients expect 529 overloaded_error for a server that is overloaded
-            status = OVERLOADED_529 if request.url.path.startswith(MESSAGES_API) else 503
+            status = OVERLOADED_529 if messages else 503
             return _error_response(request, APIError(status, str(exc), UNAVAILABLE, None, "over_capacity", headers))
         return _error_response(request, APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
                                                  headers))

@@ -28,8 +28,9 @@ agent harnesses back off on `Retry-After`). What the line keeps:
   that is past MAX_PROMISE_S, a 503 "over capacity".
 - **Honest.** A client that does not come back within GRACE_S of its promise loses its place. Each
   control interval the head of each line is checked: the first interval at which an instance would
-  admit it measures the promise's error (`ready`), and `scale`, an EWMA of actual over promised
-  waits with the cost model's gain, stretches or shrinks every later promise.
+  admit it measures the promise's error (`ready`), and its model's `scale`, an EWMA of actual over
+  promised waits with the cost model's gain, stretches or shrinks that line's later promises (one
+  per model: each line's errors come from its own model's sessions).
 
 The clock and the pricing are the caller's (talaria/routing/dispatcher.py): this is a list, a sort
 key and a small event walk.
@@ -108,7 +109,7 @@ class AdmissionLine:
     def __init__(self, limit: int, hold_s: float = 0.0) -> None:
         self.limit = limit
         self.hold_s = hold_s
-        self.scale = 1.0  # EWMA of actual / promised wait: applied to every promise
+        self._scale: dict[str, float] = {}  # model -> EWMA of actual / promised wait: applied to its promises
         self._by_session: dict[str, Waiting] = {}
         self._seq = 0
         self._next_round: dict[tuple[str, str], int] = {}  # (model, tenant) -> its next session's round
@@ -158,6 +159,10 @@ class AdmissionLine:
         entry.promised_from = now
         return entry.promised_at
 
+    def scale(self, model: str) -> float:
+        """How much longer than promised `model`'s line has been waiting, lately (1: as promised)."""
+        return self._scale.get(model, 1.0)
+
     def returned(self, entry: Waiting) -> None:
         """Its client came back and was not admitted (it is told a new time by `promise`)."""
         entry.returns += 1
@@ -173,14 +178,15 @@ class AdmissionLine:
 
     def ready(self, entry: Waiting, now: float) -> None:
         """An instance would admit `entry` now: the promise it holds was `now - promised_at` off;
-        `scale` learns the ratio of the wait that was to the wait that was promised."""
+        its model's `scale` learns the ratio of the wait that was to the wait that was promised."""
         entry.ready_at = now
         self._errors.append(now - entry.promised_at)
         promised = entry.promised_at - entry.promised_from
         if promised > CONTROL_INTERVAL_S:  # a promise of "now" says nothing about the rate
             lo, hi = SCALE_BOUNDS
-            ratio = min(hi, max(lo, self.scale * (now - entry.promised_from) / promised))
-            self.scale = min(hi, max(lo, (1 - ALPHA) * self.scale + ALPHA * ratio))
+            scale = self.scale(entry.model)
+            ratio = min(hi, max(lo, scale * (now - entry.promised_from) / promised))
+            self._scale[entry.model] = min(hi, max(lo, (1 - ALPHA) * scale + ALPHA * ratio))
 
     def expire(self, now: float) -> list[Waiting]:
         """Sessions whose clients did not come back within GRACE_S of their promise lose their place."""
@@ -219,7 +225,8 @@ class AdmissionLine:
         for w in self._by_session.values():
             models.setdefault(w.model, []).append(w)
         return {
-            "limit": self.limit, "waiting": len(self._by_session), "scale": round(self.scale, 3),
+            "limit": self.limit, "waiting": len(self._by_session),
+            "scale": {m: round(x, 3) for m, x in sorted(self._scale.items())},
             "counts": dict(self.counts),
             "promise_error_s": {"samples": len(errors),
                                 "p50": errors[len(errors) // 2] if errors else None,

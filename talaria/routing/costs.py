@@ -21,7 +21,8 @@ holds) is worth it only when its gain beats `T_swap + mu * dW + nu` (Eq. (2)).
 A call that opens a session (`RouteRequest.new_session`, overload = "sessions") is charged, as its
 queue, at least what the sessions already admitted there will hold it back by (`InstanceView.load`:
 their calls held or running and the next calls of those in tool gaps, each by at most the call's
-own prefill: processor sharing, talaria/routing/session_load.py), must start within the instance's
+own prefill, or the model's typical next call there if longer: processor sharing,
+talaria/routing/session_load.py), must start within the instance's
 TTFT target rather than the round-admission bound, and must leave every admitted session's prefix
 room in the KV pool. `work_s` prices one call for that load.
 
@@ -210,7 +211,7 @@ class PlacementCosts:
             # two estimates of what holds it back: the snapshot's queue, and the admitted sessions' (tool gaps
             # too). Not the rest of the open round: that is where the round happens to be as the call arrives,
             # and would hand a burst's new sessions to whichever model's slot is open
-            queue = max(queue, view.load.ahead_s(prefill + c_kv))
+            queue = max(queue, view.load.ahead_s(view.load.admit_x(req.model, prefill + c_kv)))
         else:
             queue += t.slot_wait_s
         return Cost(view.name, queue, prefill, decode, c_kv, t.c_act_s, kv, req.model not in view.holds,
@@ -266,7 +267,10 @@ class PlacementCosts:
         if req.new_session:  # only the wait others cause counts, up to the TTFT target or the call's
             # own prefill, whichever is longer: a prompt whose prefill alone outlasts the target (an
             # agent's 18K-token first call on a slow machine) is admitted while others at most double it
-            return max(0.0, cost.queue_s + cost.c_act_s - max(t.ttft_s, cost.prefill_s + cost.c_kv_s))
+            x = cost.prefill_s + cost.c_kv_s
+            if view.load is not None:
+                x = view.load.admit_x(req.model, x)
+            return max(0.0, cost.queue_s + cost.c_act_s - max(t.ttft_s, x))
         return max(0.0, cost.start_s - t.admit_s)
 
     def replica_price(self, view: InstanceView, model: str, cost: Cost) -> float:

@@ -177,10 +177,11 @@ class Dispatcher(LineTurns):
                 self.continuity.remember(req.model, req.session, chain[-1:])
             refusal = self._wait_in_line(req, entry, decision, now)
             entry = self.line.get(req.session)
-            if entry is None or refusal.over_capacity or entry.promised_at - now > self.line.hold_s:
+            hold = self._hold_s(decision)
+            if entry is None or refusal.over_capacity or entry.promised_at - now > hold:
                 router.record(req, decision)
                 raise refusal
-            decision = await self._wait_turn(entry, req, local, left)  # its turn is near: it waits here
+            decision = await self._wait_turn(entry, req, local, hold, left)  # its turn is near: it waits here
             if decision.instance is None:
                 router.record(req, decision)
                 entry = self.line.get(req.session)
@@ -287,7 +288,7 @@ class Dispatcher(LineTurns):
         """The router's telemetry, the admission line and what admission has learned."""
         out = self.router.telemetry()
         out["line"] = self.line.telemetry(self.clock())
-        out["session_lengths"] = self.load.lengths.telemetry()
+        out["session_lengths"] = self.load.telemetry()
         for name, view in out["views"].items():
             load = self.router.views[name].load
             if load is not None:

@@ -20,6 +20,9 @@ from talaria.routing.admission_line import (
 from talaria.routing.decision import Reason, RouteDecision, RouteRequest
 from talaria.routing.errors import RETRY_AFTER_S, Overloaded
 
+TTFT_SLACK = 1.5  # a new session's first call, held in line, must still start within this many TTFT targets
+# (issue 33: admitted calls' TTFT p95 within 1.5 x ttft_s)
+
 if TYPE_CHECKING:
     from talaria.routing.held_calls import HeldCalls
     from talaria.routing.router import Router
@@ -62,6 +65,11 @@ class LineTurns:
         self._poll()
         t = line.promise(entry, self._schedule(req.model, decision, entry, now), now)
         wait = t - now
+        if wait > MAX_PROMISE_S and not len(self.load.lengths(req.model)):
+            # priced from the paper's session lengths, before any of this model's sessions ended: a guess
+            # too rough to turn a client away on. Its place is kept, and it is asked back by then
+            wait = MAX_PROMISE_S
+            entry.promised_at = now + wait
         if wait > MAX_PROMISE_S:  # longer than any client waits for its call: no place worth keeping
             line.drop(entry)
             line.counts["over_capacity"] += 1
@@ -70,15 +78,17 @@ class LineTurns:
                               math.ceil(MAX_PROMISE_S), over_capacity=True)
         place = line.order(req.model).index(entry) + 1
         return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions: this one is "
-                          f"number {place} in line, expected in within {wait:.1f} s; retry in "
-                          f"{max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+                          f"number {place} in line, expected in within {wait:.1f} s; its place is kept until "
+                          f"then (Retry-After)", max(1, math.ceil(wait)), math.ceil(wait * 1000))
 
-    async def _wait_turn(self, entry: Waiting, req: RouteRequest, local: bool,
+    async def _wait_turn(self, entry: Waiting, req: RouteRequest, local: bool, hold_s: float,
                          left: Callable[[], Awaitable[object]] | None) -> RouteDecision:
-        """Hold a new session's call, its turn near, until `_check_line` places it, it is GRACE_S past its
-        promise (a decision without an instance: it gets its 429), or its client leaves ("client-gone")."""
+        """Hold a new session's call, its turn near, until `_check_line` places it, it has been held
+        `hold_s` (`_hold_s`) or is GRACE_S past its promise (a decision without an instance: it gets its
+        429), or its client leaves ("client-gone")."""
         waiter = asyncio.get_running_loop().create_future()
-        entry.held, entry.hold_until = (req, local, waiter), entry.promised_at + GRACE_S
+        until = min(entry.promised_at + GRACE_S, max(entry.promised_at, self.clock() + hold_s))
+        entry.held, entry.hold_until = (req, local, waiter), until
         self._poll()
         watch = asyncio.ensure_future(left()) if left is not None else None
         try:
@@ -97,6 +107,18 @@ class LineTurns:
                 watch.cancel()
             entry.held = None
 
+    def _hold_s(self, decision: RouteDecision) -> float:
+        """How long a new session's call may be held for its turn: `line_hold_s`, and no longer than lets
+        its first token still come within TTFT_SLACK times its instance's TTFT target (once placed it
+        may wait up to that target behind the admitted sessions, or its own prefill where longer): a
+        held call's wait is part of the time to first token its client sees."""
+        cost = decision.cost
+        view = self.router.views.get(cost.instance) if cost is not None else None
+        if view is None or view.ttft_s is None:
+            return self.line.hold_s
+        start = max(view.ttft_s, cost.prefill_s + cost.c_kv_s)
+        return max(0.0, min(self.line.hold_s, TTFT_SLACK * view.ttft_s - start))
+
     def _schedule(self, model: str, decision: RouteDecision, entry: Waiting, now: float) -> list[float]:
         """Predicted admission times of the model's line, in order (AdmissionLine.promise_times), on
         the instance closest to admitting `entry`'s call (`decision`, the router's answer to it)."""
@@ -104,16 +126,16 @@ class LineTurns:
         order = self.line.order(model)
         if cost is None:  # nothing priced it (no fresh snapshot): the default wait, then ask again
             return [now + RETRY_AFTER_S] * len(order)
-        x = cost.prefill_s + cost.c_kv_s  # what an admitted session can hold its first call back by
+        x = self.load.on(cost.instance).admit_x(model, cost.prefill_s + cost.c_kv_s)  # what it is admitted against
         entry.charge_s = min(x, cost.prefill_s + cost.decode_s)
         excess = decision.wait_s or 0.0
         if decision.overload == "line" or not excess:
             excess = 0.0
         times = promise_times(now, excess, self.load.departures(cost.instance, x, now),
                               [w.charge_s or entry.charge_s for w in order],
-                              self.load.lifetime_s(cost.prefill_s + cost.decode_s, model), self.line.scale)
+                              self.load.lifetime_s(cost.prefill_s + cost.decode_s, model), self.line.scale(model))
         # work ahead that no admitted session accounts for (the snapshot's queue, a switch): about its own length
-        return [t if t != math.inf else now + max(1.0, excess * self.line.scale) for t in times]
+        return [t if t != math.inf else now + max(1.0, excess * self.line.scale(model)) for t in times]
 
     def _check_line(self) -> None:
         """Each poll: drop the line's sessions whose clients did not come back; place the calls held

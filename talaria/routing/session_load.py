@@ -23,6 +23,11 @@ at most `x` (by its own work when that is less). The new session's first call ne
 before its first token, so its predicted start is that prefill plus, over every admitted session,
 the lesser of that session's predicted call and that prefill. A long decode in flight then delays
 it by a step's worth, not by its whole length; forty sessions in tool gaps delay it forty times.
+Not only its first call counts (`InstanceLoad.admit_x`): an agent's first call is short (its task),
+its later ones carry tool results, and each admitted session's next call waits behind the newcomer
+as the newcomer waits behind them. So the prefill it is admitted against is the longer of its own and
+the model's typical next call there (an EWMA of the admitted sessions' priced next prefills): a burst
+of short first calls cannot fill an instance whose sessions' next calls would then miss the target.
 
 Where the predictions were wrong (`InstanceLoad.scale`): each new session's first call was predicted
 to start after its queue and prefill; the first token it measured against that corrects every later
@@ -32,8 +37,9 @@ then admits fewer sessions, one that is faster more.
 
 When admitted sessions leave (`departures`): for the admission line's promises
 (talaria/routing/admission_line.py), each session's expected end, from the calls it has made and the
-session lengths and turn times the router has seen (`SessionLengths`): its expected further calls,
-a turn each, then `quiet_s`.
+session lengths and turn times the router has seen of its model (`SessionLengths`, one per model:
+a model's agents, its speed and its rounds make its own turns, and a cold model waiting for its slot
+must not stretch a hot one's promises): its expected further calls, a turn each, then `quiet_s`.
 
 Seconds come from the router's cost model through an injected `price` (PlacementCosts.work_s).
 Each instance's sessions sit in one `InstanceLoad` the router's view holds (talaria/routing/
@@ -92,11 +98,12 @@ class GapEstimate:
 class InstanceLoad:
     """The admitted sessions charging one instance: each one's predicted call, and their prefixes."""
 
-    __slots__ = ("kv", "samples", "scale", "work")
+    __slots__ = ("kv", "nxt", "samples", "scale", "work")
 
     def __init__(self) -> None:
         self.work: dict[tuple[str, str], float] = {}  # (session, model) -> seconds
         self.kv: dict[str, int] = {}  # model -> KV tokens of their prefixes
+        self.nxt: dict[str, float] = {}  # model -> EWMA of the prefill of their next calls, seconds
         self.scale = 1.0  # EWMA of measured / predicted start of new sessions' first calls here
         self.samples = 0  # how many it has seen
 
@@ -104,6 +111,16 @@ class InstanceLoad:
         """How long these sessions' calls hold back a call needing `prefill_s` before its first token:
         each by the lesser of its own work and that (processor sharing), times `scale`. O(sessions here)."""
         return self.scale * sum(min(prefill_s, w) for w in self.work.values())
+
+    def admit_x(self, model: str, prefill_s: float) -> float:
+        """The prefill a new session of `model` whose first call needs `prefill_s` is admitted against:
+        that, or the model's typical next call here if longer."""
+        return max(prefill_s, self.nxt.get(model, 0.0))
+
+    def observe_next(self, model: str, prefill_s: float) -> None:
+        """A session here will come back with a call needing `prefill_s` before its first token."""
+        mean = self.nxt.get(model)
+        self.nxt[model] = prefill_s if mean is None else (1 - ALPHA) * mean + ALPHA * prefill_s
 
     def observe_start(self, predicted_s: float, measured_s: float) -> None:
         """A new session's first call was predicted to start (its first token) `predicted_s` after it
@@ -150,7 +167,7 @@ class SessionLoad:
         self._quiet: list[tuple[float, str, str]] = []  # (quiet_at, session, model), stale entries skipped
         self._gaps: dict[str, GapEstimate] = {}
         self._growth: dict[str, float] = {}  # model -> mean tokens a turn adds
-        self.lengths = SessionLengths()  # how many calls sessions make, and how long a turn takes
+        self._lengths: dict[str, SessionLengths] = {}  # model -> how many calls its sessions make, a turn's time
 
     # ---- what the gateway reports ---------------------------------------------------------------
 
@@ -161,7 +178,7 @@ class SessionLoad:
         if s is None or s.busy:
             return
         self._gaps.setdefault(model, GapEstimate()).sample(max(0.0, now - s.done_at))
-        self.lengths.turn(now - s.last_arrival)
+        self.lengths(model).turn(now - s.last_arrival)
         s.calls, s.last_arrival = s.calls + 1, now
         if s.end_tokens and prompt_tokens >= s.end_tokens:
             s.growth = prompt_tokens - s.end_tokens
@@ -190,6 +207,10 @@ class SessionLoad:
         growth = s.growth if s.growth is not None else int(self._growth.get(model, 0.0))
         kv = self.on(instance).kv
         footprint = kv.get(model, 0) - (s.kv_tokens if s.instance == instance else 0) + end + growth
+        if s.growth is not None:  # a next call priced from this session's own turn, not the model's mean
+            prefill = self.price(instance, model, end + growth, max(0, end - 1), 0, footprint)
+            if prefill is not None:
+                self.on(instance).observe_next(model, prefill)
         work = self.price(instance, model, end + growth, max(0, end - 1), max_tokens, footprint)
         self._charge(s, instance, s.work_s if work is None else work, end)
         self._rest(s, now)
@@ -212,7 +233,7 @@ class SessionLoad:
             if s is not None and not s.busy and s.quiet_at == quiet_at:
                 self._charge(s, None, 0.0, 0)
                 del self._sessions[(session, model)]
-                self.lengths.ended(s.calls)
+                self.lengths(model).ended(s.calls)
 
     def on(self, instance: str) -> InstanceLoad:
         """The sessions charging `instance` (the same object for as long as this lives)."""
@@ -226,10 +247,11 @@ class SessionLoad:
         `instance`, soonest first: when each is expected to go quiet, from its calls so far and the
         session lengths seen (a turn a further call, then its model's quiet_s)."""
         out = []
-        lengths, scale = self.lengths, self.on(instance).scale
+        scale = self.on(instance).scale
         for s in self._sessions.values():
             if s.instance != instance:
                 continue
+            lengths = self.lengths(s.model)
             turn = lengths.turn_s if lengths.turn_s is not None else s.work_s + QUIET_MIN_S
             more = lengths.remaining_calls(s.calls) * turn
             # resting: quiet when its last call would have left it quiet, that many turns later; busy: after
@@ -242,9 +264,20 @@ class SessionLoad:
     def lifetime_s(self, work_s: float, model: str) -> float:
         """A session admitted now is expected to charge its instance this long: its calls, a turn
         each (its first `work_s`), then its model's quiet_s."""
-        lengths = self.lengths
+        lengths = self.lengths(model)
         turn = lengths.turn_s if lengths.turn_s is not None else work_s + QUIET_MIN_S
         return work_s + lengths.remaining_calls(1) * turn + self.quiet_s(model)
+
+    def lengths(self, model: str) -> SessionLengths:
+        """How long `model`'s sessions last, in calls and turns (the same object for as long as this lives)."""
+        lengths = self._lengths.get(model)
+        if lengths is None:
+            lengths = self._lengths[model] = SessionLengths()
+        return lengths
+
+    def telemetry(self) -> dict:
+        """Per model, what the line predicts its admitted sessions' remaining work from."""
+        return {model: lengths.telemetry() for model, lengths in sorted(self._lengths.items())}
 
     def quiet_s(self, model: str) -> float:
         gaps = self._gaps.get(model)

@@ -10,14 +10,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from statistics import NormalDist
 
 import pytest
 
 from talaria.contracts.call import InstanceReady, Usage
-from talaria.routing.admission_line import CONTROL_INTERVAL_S, GRACE_S, AdmissionLine, promise_times
+from talaria.routing.admission_line import (
+    CONTROL_INTERVAL_S,
+    GRACE_S,
+    AdmissionLine,
+    promise_times,
+)
 from talaria.routing.decision import RouteRequest
 from talaria.routing.errors import Overloaded
-from talaria.routing.session_lengths import SessionLengths
+from talaria.routing.session_lengths import (
+    PAPER_DEPTH,
+    SessionLengths,
+    prior_remaining_calls,
+)
 from tests.gateway.fakes import MODEL, FakeEchoGroup
 from tests.routing.test_dispatcher import PROFILE_ECHO, Clock, dispatcher, place
 from tests.routing.test_router import snapshot
@@ -40,7 +50,7 @@ def test_promises_walk_the_departures_and_each_admission_adds_its_charge():
 
 def test_session_lengths_expect_the_calls_left_from_the_sessions_seen_ending():
     lengths = SessionLengths()
-    assert lengths.remaining_calls(3) == 3.0  # none seen: as many again (Lindy)
+    assert lengths.remaining_calls(3) == prior_remaining_calls(3)  # none seen: the paper's agent sessions
     for n in (2, 4, 6, 6):
         lengths.ended(n)
     assert lengths.remaining_calls(1) == pytest.approx((1 + 3 + 5 + 5) / 4)
@@ -49,6 +59,18 @@ def test_session_lengths_expect_the_calls_left_from_the_sessions_seen_ending():
     lengths.turn(2.0)
     lengths.turn(4.0)
     assert lengths.turn_s == pytest.approx(0.8 * 2.0 + 0.2 * 4.0)
+
+
+def test_before_any_session_ends_the_calls_left_are_the_papers_agent_sessions():
+    """E[L - k | L >= k] over a lognormal with the paper's median and p95 depth (11, 49 calls), in
+    closed form, against the same mean over 100,000 of the distribution's quantiles."""
+    p50, p95 = PAPER_DEPTH
+    sigma = math.log(p95 / p50) / NormalDist().inv_cdf(0.95)
+    grid = [p50 * math.exp(sigma * NormalDist().inv_cdf((i + 0.5) / 100_000)) for i in range(100_000)]
+    for k in (1, 3, 11, 49):
+        tail = [x for x in grid if x >= k]
+        assert prior_remaining_calls(k) == pytest.approx(sum(tail) / len(tail) - k, rel=5e-3)
+    assert prior_remaining_calls(1) == pytest.approx(15.68, abs=0.01)  # a new session: about 16 calls in all
 
 
 def test_the_line_is_in_arrival_order_one_session_of_each_tenant_per_round():
@@ -94,7 +116,7 @@ def test_a_promise_found_late_or_early_corrects_the_next_ones():
     w = line.join("s1", "t", MODEL, 100, 4, 0.0)
     line.promise(w, [10.0], 0.0)
     line.ready(w, 20.0)  # the wait was twice the promise: every later wait is stretched towards 2x
-    assert line.scale == pytest.approx(0.8 + 0.2 * 2.0)
+    assert line.scale(MODEL) == pytest.approx(0.8 + 0.2 * 2.0) and line.scale("other") == 1.0
     assert line.telemetry(20.0)["promise_error_s"]["p50"] == pytest.approx(10.0)
 
 
@@ -156,23 +178,41 @@ def two_call_sessions(n: Node, names: list[str], stagger_s: float) -> None:
         n.serve(s, 1604)
 
 
+def sessions_in_tool_gaps(n: Node, names: list[str], stagger_s: float) -> None:
+    """`two_call_sessions`, told to the admitted sessions' load directly, as the gateway tells it of
+    sessions it admitted before anything was known of their next calls (once the model's next calls
+    are known, the dispatcher admits only as many as those fit: two, of 1.5 s, under a 2 s target)."""
+    load, start = n.d.load, n.clock.now
+    for i, s in enumerate(names):
+        load.placed(s, MODEL, "hot0", 0.104, 104, start + i * stagger_s)
+        load.completed(s, MODEL, "hot0", 100, 4, 4, start + i * stagger_s)
+    for i, s in enumerate(names):  # every tool gap 1.5 s
+        n.clock.now = start + 1.5 + i * stagger_s
+        load.arrived(s, MODEL, 1604, n.clock.now)
+        load.placed(s, MODEL, "hot0", 1.608, 1608, n.clock.now)
+        load.completed(s, MODEL, "hot0", 1604, 4, 4, n.clock.now)
+
+
 def test_retry_after_is_kept_the_client_that_returns_then_is_admitted_and_not_a_moment_before():
     """Sessions seen so far made two calls each: four admitted sessions in their tool gaps, with two
-    calls made, are expected to make none more and leave when they go quiet. A new session's 1 s
-    prefill would wait 4 x 1 s behind them, 2 s past the 2 s target: it is promised the second
-    departure; the next newcomer, behind it, the third (the first's own call takes 1 s back), the
-    third the fourth. Each client that comes back when told is admitted then, within one control
+    calls made, are expected to make none more and leave when they go quiet. A new session's first
+    call needs 1 s of prefill, but it is admitted against the model's next call here, 1.501 s (an
+    agent's later calls carry tool results, and each admitted session's next call waits behind it
+    as it waits behind them): 4 x 1.501 s behind them, 4 s past the 2 s target. It is promised the
+    third departure; the next newcomer, behind it, the fourth (the first's own call, 1.04 s, takes
+    some room back). Each client that comes back when told is admitted then, within one control
     interval, and not one interval before; a newcomer that finds room meanwhile waits behind them."""
     n = Node()
     two_call_sessions(n, ["w0", "w1", "w2", "w3"], 0.0)  # sessions seen ending: two calls each
     n.at(n.clock.now + 30.0)
-    assert len(n.d.load.lengths) == 4 and n.d.load.lengths.remaining_calls(2) == 0.0
-    two_call_sessions(n, ["s0", "s1", "s2", "s3"], 0.3)
+    assert len(n.d.load.lengths(MODEL)) == 4 and n.d.load.lengths(MODEL).remaining_calls(2) == 0.0
+    sessions_in_tool_gaps(n, ["s0", "s1", "s2", "s3"], 0.3)
     quiet = sorted(n.d.load._sessions[(s, MODEL)].quiet_at for s in ("s0", "s1", "s2", "s3"))
     assert len(quiet) == 4 and quiet[0] < quiet[1] < quiet[2] < quiet[3]
-    promised = [n.ask("new0"), n.ask("new1"), n.ask("new2")]
-    assert promised == pytest.approx(quiet[1:], abs=1e-3)
-    assert [w.session for w in n.d.line.order(MODEL)] == ["new0", "new1", "new2"]
+    assert n.d.load.on("hot0").admit_x(MODEL, 1.0) == pytest.approx(1.501)
+    promised = [n.ask("new0"), n.ask("new1")]
+    assert promised == pytest.approx(quiet[2:], abs=1e-3)
+    assert [w.session for w in n.d.line.order(MODEL)] == ["new0", "new1"]
     for i, t in enumerate(promised):
         n.at(t - 2 * CONTROL_INTERVAL_S)
         assert n.ask(f"new{i}") is not None  # too early: no room yet, and it keeps its place
@@ -181,7 +221,7 @@ def test_retry_after_is_kept_the_client_that_returns_then_is_admitted_and_not_a_
         assert n.ask("latecomer") is not None  # room, but promised to the line: a later arrival waits
         assert n.ask(f"new{i}") is None  # back when told: admitted
     line = n.d.line.telemetry(n.clock.now)
-    assert line["counts"]["admitted"] == 3 and line["promise_error_s"]["p95"] <= CONTROL_INTERVAL_S
+    assert line["counts"]["admitted"] == 2 and line["promise_error_s"]["p95"] <= CONTROL_INTERVAL_S
     assert [w.session for w in n.d.line.order(MODEL)] == ["latecomer"]
 
 
@@ -195,7 +235,7 @@ def test_a_promise_off_by_seconds_is_measured_and_corrects_the_next_ones():
     n = Node()
     two_call_sessions(n, ["w0", "w1"], 0.0)
     n.at(n.clock.now + 30.0)
-    two_call_sessions(n, ["s0", "s1", "s2", "s3"], 0.0)
+    sessions_in_tool_gaps(n, ["s0", "s1", "s2", "s3"], 0.0)
     t = n.ask("new0")
     t0 = n.clock.now
     for s in ("s0", "s1", "s2"):  # a session predicted to be done calls again: it stays
@@ -212,21 +252,26 @@ def test_a_promise_off_by_seconds_is_measured_and_corrects_the_next_ones():
     assert head.ready_at is not None and head.ready_at < p - 1.0
     error = n.d.telemetry()["line"]["promise_error_s"]
     assert error["samples"] == 1 and error["mean_signed"] == pytest.approx(head.ready_at - head.promised_at)
-    assert n.d.line.scale < 1.0
+    assert n.d.line.scale(MODEL) < 1.0
     assert n.ask("new0") is None  # it comes back early, first in line, and there is room: admitted
 
 
 def test_a_session_whose_turn_is_near_is_held_and_placed_when_due_else_told_a_new_time():
-    """With line_hold_s 30, the newcomer of the first test (due at the second departure, seconds
-    away) is held rather than sent a 429: placed at the first control interval at which it is due
-    and an instance admits it, not before. A second one, due later, is held too; when the sessions
-    ahead of it call again instead of leaving, it is sent its 429 GRACE_S past its promise, with a
-    new one, and keeps its place."""
+    """With line_hold_s 30, three newcomers of the first test ask 0.9 s before the fourth departure.
+    The hold is part of a call's time to first token: it may last only as long as that still fits
+    1.5 TTFT targets (here 1.5 x 2 s, less the 2 s it may then wait behind the admitted: 1 s). The
+    first, due at the third departure, is held rather than sent a 429, and placed at the first
+    control interval at which it is due and an instance admits it, not before. The second, due at the
+    fourth, is held too; when the session ahead of it calls again instead of leaving, it is sent its
+    429 once held 1 s, with a new promise, and keeps its place. The third, due once the first leaves
+    again, gets its 429 at once."""
     n = Node(hold_s=30.0)
     two_call_sessions(n, ["w0", "w1", "w2", "w3"], 0.0)
     n.at(n.clock.now + 30.0)
-    two_call_sessions(n, ["s0", "s1", "s2", "s3"], 0.3)
+    sessions_in_tool_gaps(n, ["s0", "s1", "s2", "s3"], 0.3)
     quiet = sorted(n.d.load._sessions[(s, MODEL)].quiet_at for s in ("s0", "s1", "s2", "s3"))
+    n.at(quiet[3] - 0.9)
+    asked = n.clock.now
 
     async def scenario() -> None:
         first = asyncio.create_task(n.d.place(n.call("new0", 1000), (), False, True, ()))
@@ -234,18 +279,22 @@ def test_a_session_whose_turn_is_near_is_held_and_placed_when_due_else_told_a_ne
         second = asyncio.create_task(n.d.place(n.call("new1", 1000), (), False, True, ()))
         await asyncio.sleep(0)
         assert [w.session for w in n.d.line.order(MODEL)] == ["new0", "new1"]
-        assert n.d.line.get("new0").promised_at == pytest.approx(quiet[1])
-        n.at(quiet[1] - 2 * CONTROL_INTERVAL_S)
+        assert n.d.line.get("new0").promised_at == pytest.approx(quiet[2])
+        assert n.d.line.get("new1").promised_at == pytest.approx(quiet[3])
+        with pytest.raises(Overloaded, match="number 3 in line") as third:
+            await asyncio.wait_for(n.d.place(n.call("new2", 1000), (), False, True, ()), 5.0)
+        assert third.value.retry_after_ms > 1000
+        n.at(quiet[2] - 2 * CONTROL_INTERVAL_S)
         await asyncio.sleep(0)
         assert not first.done()
-        n.at(quiet[1])
+        n.at(quiet[2])
         await asyncio.sleep(0)
         assert first.done() and first.result().group is n.group  # placed when due
-        promise = n.d.line.get("new1").promised_at
-        assert promise == pytest.approx(quiet[2])
-        for s in ("s2", "s3"):  # they call again instead of leaving: no room at new1's promise
-            n.d.load.arrived(s, MODEL, 3105, n.clock.now)
-        n.at(promise + GRACE_S)
+        n.d.load.arrived("s3", MODEL, 3105, n.clock.now)  # it calls again instead of leaving: no room for new1
+        n.at(asked + 1.0 - CONTROL_INTERVAL_S)
+        await asyncio.sleep(0)
+        assert not second.done()
+        n.at(asked + 1.0)
         await asyncio.sleep(0)
         with pytest.raises(Overloaded, match="number 1 in line") as refused:
             await second

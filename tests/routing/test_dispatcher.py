@@ -19,6 +19,7 @@ from talaria.node.errors import InstanceUnavailable
 from talaria.routing.decision import Reason, RouteRequest
 from talaria.routing.dispatcher import Dispatcher
 from talaria.routing.errors import Overloaded
+from talaria.routing.session_lengths import prior_remaining_calls
 from tests.gateway.fakes import MODEL, FakeEchoGroup, FakeEchoSupervisor
 from tests.routing.test_router import PROFILE, snapshot
 
@@ -183,9 +184,10 @@ def test_sessions_overload_holds_admitted_sessions_and_lines_up_new_ones_fairly(
 
 def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_calls_go_oldest_first():
     """Four admitted sessions, all in tool gaps, whose next calls are predicted at 1.5 s each: the
-    instance is idle, but a new session's 1 s prefill would share it with those four calls, which
-    hold it back 4 s, past the 2 s TTFT target. It is shed with Retry-After 2 (s), while an
-    admitted session's call goes straight in. Then with the instance full, two admitted sessions'
+    instance is idle, but a new session would share it with those four calls. It is admitted against
+    the longer of its own prefill (1 s) and the model's next calls (1.5 s): they hold that back 6 s,
+    past the 2 s TTFT target. It is shed with its place in line, while an admitted session's call
+    goes straight in. Then with the instance full, two admitted sessions'
     calls are held; when there is room for one, the older is placed."""
     clock = Clock()
     group = FakeEchoGroup("hot0")  # ttft_s 2.0; round admission here: 0.2 rounds of 10 s
@@ -218,11 +220,13 @@ def test_sessions_in_tool_gaps_fill_the_instance_new_ones_are_shed_and_held_call
     assert d.router.views["hot0"].load.total_s == pytest.approx(4 * 1.501)  # 1,501 tokens past each prefix
     with pytest.raises(Overloaded, match="at capacity for new sessions") as shed:
         place(d, call("newcomer", 1000))
-    # 4 x 1 s of theirs (its own prefill is not held against it), 2 s allowed: it waits for two to leave. With
-    # no session seen ending, each is expected to make as many calls again as it has (2), a turn (1.5 s) each,
-    # and then go quiet as it would now (srtt + 4 rttvar of the gaps seen when it rested: 4.5, 3.75, 3.19 and
-    # 2.77 s): the second to leave at 51.5 + 3 + 3.188, 5.188 s from now
-    assert shed.value.retry_after_s == 6 and shed.value.retry_after_ms == 5188
+    # 4 x 1.501 s of theirs (its own prefill is not held against it), 2 s allowed: it waits for three to leave.
+    # With no session seen ending, each is expected to make as many calls more as the paper's agent sessions
+    # that made 2 (15.09), a turn (1.5 s) each, and then go quiet as it would now (srtt + 4 rttvar of the gaps
+    # seen when it rested: 4.5, 3.75, 3.19 and 2.77 s): the third to leave at 51.5 + 1.5 * 15.09 + 3.75
+    assert d.router.views["hot0"].load.admit_x(MODEL, 1.0) == pytest.approx(1.501)
+    assert shed.value.retry_after_ms == pytest.approx((51.5 + 1.5 * prior_remaining_calls(2) + 3.75 - 52.5) * 1000,
+                                                      abs=1)
     assert [w.session for w in d.line.order(MODEL)] == ["newcomer"]
     assert place(d, call("s0", 3108)).group is group  # an admitted session is not held for the load
     clock.now += 10.0  # they all went quiet: nothing ahead, and the newcomer gets in

@@ -123,6 +123,41 @@ def test_the_gap_estimate_is_rfc_6298s_floored_and_quiet_never_outlasts_the_sess
     assert SessionLoad(Prices(), ttl_s=5.0).quiet_s("m") == 5.0
 
 
+def test_each_model_learns_its_own_turns_and_session_lengths():
+    """A cold model's calls wait for its slot: its sessions turn every 20 s, a hot model's every 2 s,
+    and they make 4 calls and 2. A new session of each is expected to last by its own model's."""
+    load = SessionLoad(Prices(), ttl_s=900.0)
+    for model, turn, calls in (("hot", 2.0, 2), ("cold", 20.0, 4)):
+        for c in range(calls):
+            if c:
+                load.arrived(model, model, 320, now=c * turn)
+            load.placed(model, model, "a", 0.3, 340, now=c * turn)
+            load.completed(model, model, "a", 320, 20, 20, now=c * turn + 0.5)
+    load.sweep(1000.0)
+    assert (load.lengths("hot").turn_s, load.lengths("cold").turn_s) == (2.0, pytest.approx(20.0))
+    assert (len(load.lengths("hot")), len(load.lengths("cold"))) == (1, 1)
+    assert load.lifetime_s(0.5, "hot") == pytest.approx(0.5 + 1 * 2.0 + load.quiet_s("hot"))
+    assert load.lifetime_s(0.5, "cold") == pytest.approx(0.5 + 3 * 20.0 + load.quiet_s("cold"))
+    assert load.telemetry()["hot"] == {"sessions_seen": 1, "mean_calls": 2.0, "p95_calls": 2, "turn_s": 2.0}
+
+
+def test_a_new_session_is_admitted_against_the_models_next_calls_when_they_are_longer():
+    """An agent's first call is its task (100 tokens); its next ones carry tool results (500 tokens
+    here). What a newcomer is admitted against is the longer of its own prefill and the next calls
+    the model's sessions came back with here, learned only from sessions whose own turn was measured."""
+    load = SessionLoad(Prices(), ttl_s=900.0)
+    load.placed("s", "m", "a", 0.12, 120, now=0.0)
+    load.completed("s", "m", "a", 100, 20, 20, now=1.0)
+    assert load.on("a").admit_x("m", 0.1) == 0.1  # no turn measured yet: its own prefill
+    for t, prompt in ((2.0, 620), (4.0, 1140)):  # each turn adds 500 tokens
+        load.arrived("s", "m", prompt, now=t)
+        load.placed("s", "m", "a", 0.52, prompt + 20, now=t)
+        load.completed("s", "m", "a", prompt, 20, 20, now=t + 1.0)
+    assert load.on("a").nxt == {"m": pytest.approx(0.001 * 501)}  # the next prompt's 500 new tokens and the reply's last
+    assert load.on("a").admit_x("m", 0.1) == pytest.approx(0.501)
+    assert load.on("a").admit_x("m", 2.0) == 2.0 and load.on("b").admit_x("m", 0.1) == 0.1
+
+
 def test_a_call_is_held_back_by_each_admitted_session_at_most_by_its_own_prefill():
     """Processor sharing: a 0.5 s prefill behind calls of 0.2 s, 3 s and 40 s (a long decode) waits
     0.2 + 0.5 + 0.5, not 43.2 s."""
