@@ -146,7 +146,12 @@ class AdmissionLine:
         for its model; a session in line once due or first."""
         if entry is None:
             return not any(w.model == model for w in self._by_session.values())
-        return entry.promised_at <= now + CONTROL_INTERVAL_S or self.order(model)[0] is entry
+        return self.due(entry, now) or self.order(model)[0] is entry
+
+    @staticmethod
+    def due(entry: Waiting, now: float) -> bool:
+        """Its promised time has come (within one control interval)."""
+        return entry.promised_at <= now + CONTROL_INTERVAL_S
 
     def promise(self, entry: Waiting, times: list[float], now: float) -> float:
         """Tell `entry` when to come back: its time in `times` (`promise_times` over its model's line,

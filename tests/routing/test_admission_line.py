@@ -301,3 +301,33 @@ def test_a_session_whose_turn_is_near_is_held_and_placed_when_due_else_told_a_ne
         assert refused.value.retry_after_ms > 0 and n.d.line.get("new1").returns == 1
     asyncio.run(scenario())
     assert n.d.line.counts["admitted"] == 1
+
+
+def test_the_head_of_the_line_back_when_told_is_held_until_it_is_in_past_the_ttft_bound():
+    """The head of the line comes back at its promise, but the session predicted to leave then called
+    once more instead. Next in, it is not sent another 429 (a retry of its client's few) for a wait
+    of seconds: it is held, past the 1 s a held first call otherwise gets (the test above: one behind
+    it gets its 429 then), and placed once that session has called, rested and gone quiet."""
+    n = Node(hold_s=30.0)
+    two_call_sessions(n, ["w0", "w1", "w2", "w3"], 0.0)
+    n.at(n.clock.now + 30.0)
+    sessions_in_tool_gaps(n, ["s0", "s1", "s2", "s3"], 0.3)
+    quiet = sorted(n.d.load._sessions[(s, MODEL)].quiet_at for s in ("s0", "s1", "s2", "s3"))
+    assert [n.ask("new0"), n.ask("new1")] == pytest.approx(quiet[2:], abs=1e-3)
+    n.at(quiet[2] - 1.0)
+    n.d.load.arrived("s2", MODEL, 3105, n.clock.now)  # it calls once more instead of leaving
+    n.d.load.placed("s2", MODEL, "hot0", 3.105, 3108, n.clock.now)
+
+    async def scenario() -> None:
+        n.at(quiet[2])
+        head = asyncio.create_task(n.d.place(n.call("new0", 1000), (), False, True, ()))
+        await asyncio.sleep(0)
+        assert not head.done() and n.d.line.get("new0").held is not None  # held, not refused
+        until = n.d.line.get("new0").hold_until
+        assert until - n.clock.now > 1.0
+        n.d.load.completed("s2", MODEL, "hot0", 3105, 4, 4, n.clock.now + 0.5)
+        while not head.done() and n.clock.now < until:
+            n.at(n.clock.now + CONTROL_INTERVAL_S)
+            await asyncio.sleep(0)
+        assert head.done() and head.result().group is n.group
+    asyncio.run(scenario())
