@@ -18,11 +18,13 @@ agent harnesses back off on `Retry-After`). What the line keeps:
   session_load.py: calls left from the session lengths the router has seen, a turn each, then quiet)
   free what they hold back a new call by; each session ahead in the line, once in, adds its own.
   Rounded up to whole seconds in `Retry-After`, exact in `retry-after-ms`.
-- **Held when near.** A session whose turn is at most `hold_s` away (`[router] line_hold_s`) when it
-  asks is not sent away: its call is held at the gateway and placed, in line order, at the first
-  control interval at which it is due (or first) and an instance admits it; if that has not happened
-  GRACE_S after its promise, it gets its 429 with a new promise after all. A harness that caps its
-  backoff (the patient workload's 30 s) then comes back once within reach and is let in on time.
+- **Held when near.** A session whose turn is near when it asks is not sent away: its call is held
+  at the gateway and placed, in line order, at the first control interval at which it is due (or
+  first) and an instance admits it; if that has not happened in time (GRACE_S after its promise at
+  the latest), it gets its 429 with a new promise after all. Near is within `hold_s` (`[router]
+  line_hold_s`) and, the hold being part of its time to first token, within what keeps that first
+  token inside 1.5 TTFT targets; the head of the line back when it was told is held up to `hold_s`
+  (talaria/routing/line_turns.py, `_hold_s`).
 - **Bounded.** At most `limit` sessions wait. Beyond that a newcomer is not placed in line: a 429
   says so, with the wait until the line's last promise (the line will have moved by then); or, when
   that is past MAX_PROMISE_S, a 503 "over capacity".
