@@ -60,8 +60,9 @@ class LineTurns:
                                   f"the last is not expected in before {MAX_PROMISE_S:.0f} s; retry later",
                                   math.ceil(MAX_PROMISE_S), over_capacity=True)
             return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions and "
-                              f"{line.limit} wait already (router.max_waiting): this one has no place in line; "
-                              f"retry in {max(1, math.ceil(wait))} s", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+                              f"{line.limit} wait already (router.max_waiting): this one (session {req.session}) "
+                              f"has no place in line; retry in {max(1, math.ceil(wait))} s", max(1, math.ceil(wait)),
+                              math.ceil(wait * 1000))
         self._poll()
         t = line.promise(entry, self._schedule(req.model, decision, entry, now), now)
         wait = t - now
@@ -74,12 +75,12 @@ class LineTurns:
             line.drop(entry)
             line.counts["over_capacity"] += 1
             return Overloaded(f"over capacity: every instance serving {req.model!r} is full for new sessions and "
-                              f"this one is not expected in within {MAX_PROMISE_S:.0f} s; retry later",
-                              math.ceil(MAX_PROMISE_S), over_capacity=True)
+                              f"this one (session {req.session}) is not expected in within {MAX_PROMISE_S:.0f} s; "
+                              f"retry later", math.ceil(MAX_PROMISE_S), over_capacity=True)
         place = line.order(req.model).index(entry) + 1
-        return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions: this one is "
-                          f"number {place} in line, expected in within {wait:.1f} s; its place is kept until "
-                          f"then (Retry-After)", max(1, math.ceil(wait)), math.ceil(wait * 1000))
+        return Overloaded(f"every instance serving {req.model!r} is at capacity for new sessions: this one (session "
+                          f"{req.session}) is number {place} in line, expected in within {wait:.1f} s; its place is "
+                          f"kept until then (Retry-After)", max(1, math.ceil(wait)), math.ceil(wait * 1000))
 
     async def _wait_turn(self, entry: Waiting, req: RouteRequest, local: bool, hold_s: float,
                          left: Callable[[], Awaitable[object]] | None) -> RouteDecision:
