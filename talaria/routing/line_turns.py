@@ -64,13 +64,12 @@ class LineTurns:
                               f"has no place in line; retry in {max(1, math.ceil(wait))} s", max(1, math.ceil(wait)),
                               math.ceil(wait * 1000))
         self._poll()
-        t = line.promise(entry, self._schedule(req.model, decision, entry, now), now)
-        wait = t - now
-        if wait > MAX_PROMISE_S and not len(self.load.lengths(req.model)):
+        times = self._schedule(req.model, decision, entry, now)
+        if not len(self.load.lengths(req.model)):
             # priced from the paper's session lengths, before any of this model's sessions ended: a guess
-            # too rough to turn a client away on. Its place is kept, and it is asked back by then
-            wait = MAX_PROMISE_S
-            entry.promised_at = now + wait
+            # too rough to turn a client away on. Its place is kept, and it is asked back by MAX_PROMISE_S
+            times = [min(t, now + MAX_PROMISE_S) for t in times]
+        wait = line.promise(entry, times, now) - now
         if wait > MAX_PROMISE_S:  # longer than any client waits for its call: no place worth keeping
             line.drop(entry)
             line.counts["over_capacity"] += 1

@@ -28,19 +28,19 @@ KEEP = 512  # sessions whose lengths are kept: recent enough to follow a changin
 ALPHA = 0.2  # weight of the newest turn (the instances' cost EWMA's gain, session_load.GROWTH_ALPHA)
 PAPER_DEPTH = (11, 49)  # §2.1: calls per agent session, median and p95: the prior before any session ends
 _N = NormalDist()
+_MU = math.log(PAPER_DEPTH[0])  # the lognormal's log-space parameters
+_SIGMA = math.log(PAPER_DEPTH[1] / PAPER_DEPTH[0]) / _N.inv_cdf(0.95)
 
 
 def prior_remaining_calls(done: int) -> float:
     """E[L - done | L >= done] for L lognormal through PAPER_DEPTH: with mu, sigma its log-space
     parameters, E[L; L >= k] = exp(mu + sigma^2 / 2) Phi((mu + sigma^2 - ln k) / sigma) and
     P(L >= k) = Phi((mu - ln k) / sigma)."""
-    p50, p95 = PAPER_DEPTH
-    mu, sigma = math.log(p50), math.log(p95 / p50) / _N.inv_cdf(0.95)
     k = math.log(max(1, done))
-    tail = _N.cdf((mu - k) / sigma)
+    tail = _N.cdf((_MU - k) / _SIGMA)
     if tail < 1e-12:  # far past the distribution: as long again (Lindy)
         return float(done)
-    return math.exp(mu + sigma * sigma / 2) * _N.cdf((mu + sigma * sigma - k) / sigma) / tail - done
+    return math.exp(_MU + _SIGMA * _SIGMA / 2) * _N.cdf((_MU + _SIGMA * _SIGMA - k) / _SIGMA) / tail - done
 
 
 class SessionLengths:
