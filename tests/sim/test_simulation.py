@@ -164,14 +164,14 @@ def paper_tp8_first_calls(calls: int = 7):
 
 
 def test_with_a_large_prefill_fixed_cost_sp_steps_are_not_taken_and_talaria_is_no_sp():
-    """paper-tp8 with the 2.1 s prefill intercept at T_ttft 20 s (each session's first 7 calls, 210
+    """paper-tp8 with the 2.1 s prefill intercept at T_ttft 20 s (each session's first 4 calls, 120
     calls): an SP step would stall every decoding sequence for 2.1 s, ten times T_tpot, where the
     next P serves the continuations under one fixed cost. Before the TPOT-slack gate Talaria's SCT
-    was 1.15 x no-sp's at p50 (1.06 x at p95) here; now no SP step runs and it is no-sp's exactly.
-    At the profile's intercept (one forward's fixed cost) SP still admits."""
+    was 1.15 x no-sp's at p50 (1.06 x at p95) on the first 7 calls; now no SP step runs and it is
+    no-sp's exactly. At the profile's intercept (one forward's fixed cost) SP still admits."""
     from talaria.sim.simulation import profile_topology
 
-    profile, trace = paper_tp8_first_calls()
+    profile, trace = paper_tp8_first_calls(4)
     slow = profile.with_prefill_base(2.1)
     config = profile_topology(slow, ttft_s=20.0, tpot_s=0.2, gamma=0.8)
     talaria = summary(Simulation(config, slow, trace).run())
