@@ -66,8 +66,12 @@ ROWS = (
 )
 
 
-def paper_values() -> dict[str, float]:
-    figures = tomllib.loads(FIGURES.read_text())
+def paper_values(path: Path = FIGURES) -> dict[str, float]:
+    """The paper's value of each row, from its figures file; a missing file is a clear error, not a traceback."""
+    if not path.is_file():
+        raise SystemExit(f"paper_figures: no paper figures at {path} (the project's shared data, beside this "
+                         "repository: shared/data/paper-figures.toml); pass --figures PATH")
+    figures = tomllib.loads(path.read_text())
     out = {}
     for label, key, _, _ in ROWS:
         if key is not None:
@@ -85,9 +89,9 @@ def run_one(seed: int, ttft_s: float, name: str) -> tuple[int, str, dict]:
     return seed, name, summary(Simulation(variant(config, name), profile, trace).run())
 
 
-def rows_of(runs: dict[int, dict[str, dict]]) -> list[dict]:
-    """One dict per row: the paper's value, ours and the ratio per seed, and whether its band holds."""
-    paper = paper_values()
+def rows_of(runs: dict[int, dict[str, dict]], paper: dict[str, float]) -> list[dict]:
+    """One dict per row: the paper's value (`paper_values`), ours and the ratio per seed, and whether
+    its band holds."""
     out = []
     for label, _, read, band in ROWS:
         p = paper[label]
@@ -123,12 +127,15 @@ def _pct(v: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--ttft", type=float, default=20.0)
-    ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "paper_figures.json")
+    ap.add_argument("--seeds", default="0,1,2", help="trace seeds, comma-separated (default: 0,1,2)")
+    ap.add_argument("--ttft", type=float, default=20.0, help="T_ttft in seconds (default: 20, issue 35's)")
+    ap.add_argument("--procs", type=int, default=2, help="simulations run at once (default: 2)")
+    ap.add_argument("--figures", type=Path, default=FIGURES, help=f"the paper's figures (default: {FIGURES})")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "paper_figures.json",
+                    help="where to write every run (default: bench/results/paper_figures.json)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    paper = paper_values(args.figures)  # before minutes of simulation, not after
     log = ProgressLog()
     load = os.getloadavg()[0]
     runs: dict[int, dict[str, dict]] = {s: {} for s in seeds}
@@ -139,7 +146,7 @@ def main() -> int:
             runs[seed][name] = s
             log(f"seed {seed} {name}: SCT p50 {s['sct_p50_s']:.1f} p95 {s['sct_p95_s']:.1f}, "
                 f"SP rate {s['sp_admission_rate']:.1%}, HBM peak {s['hbm_peak_gib']:.1f} GiB ({s['wall_s']:.0f} s)")
-    rows = rows_of(runs)
+    rows = rows_of(runs, paper)
     print(table(rows))
     write_json(args.json, {"ttft_s": args.ttft, "seeds": seeds, "rows": rows, "runs": runs,
                            **environment(log, load)}, log)
