@@ -66,11 +66,18 @@ ROWS = (
 )
 
 
+def missing_figures(path: Path = FIGURES) -> str | None:
+    """Why the paper's figures cannot be read from `path`, or None when they can."""
+    if path.is_file():
+        return None
+    return (f"no paper figures at {path} (the project's shared data, beside this repository: "
+            "shared/data/paper-figures.toml); pass --figures PATH")
+
+
 def paper_values(path: Path = FIGURES) -> dict[str, float]:
     """The paper's value of each row, from its figures file; a missing file is a clear error, not a traceback."""
-    if not path.is_file():
-        raise SystemExit(f"paper_figures: no paper figures at {path} (the project's shared data, beside this "
-                         "repository: shared/data/paper-figures.toml); pass --figures PATH")
+    if (why := missing_figures(path)) is not None:
+        raise SystemExit(f"paper_figures: {why}")
     figures = tomllib.loads(path.read_text())
     out = {}
     for label, key, _, _ in ROWS:

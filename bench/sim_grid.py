@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: this tree's talaria first
 
-from paper_figures import FIGURES, VARIANTS, paper_values, rows_of  # bench/paper_figures.py, beside this script
+from paper_figures import VARIANTS, missing_figures, paper_values, rows_of  # bench/paper_figures.py, beside it
 from paper_figures import table as paper_table
 from report import (  # bench/report.py, beside this script
     ProgressLog,
@@ -155,8 +155,8 @@ def report(cells: list[dict], variants: list[str], fmt: str) -> None:
     paper = {c["seed"]: c["variants"] for c in cells
              if c.get("preset", "paper-tp8") == "paper-tp8" and c["ttft_s"] == 20 and c["intercept"] == "profile"}
     if paper and all(set(VARIANTS) <= set(v) for v in paper.values()):
-        if not FIGURES.is_file():
-            print(f"\n(no paper table: no paper figures at {FIGURES})")
+        if (why := missing_figures()) is not None:
+            print(f"\n(no paper table: {why})")
         else:
             print("\nAgainst the paper (bench/paper_figures.py's rows):")
             print(paper_table(rows_of(paper, paper_values())))
