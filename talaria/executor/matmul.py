@@ -18,7 +18,14 @@ conversion cache keyed by the CPU model, torch's version and its thread count
 was oversubscribed (on a shared 2-core machine under a load of 10, every backend's run waits out a
 neighbour's time slice) is marked so: busy processes reuse it, a quiet one measures that shape again
 and its choice replaces it. So a machine measures a shape about once; deleting the folder measures
-again. `TALARIA_MATMUL=<backend>` forces one backend everywhere.
+again. `TALARIA_MATMUL=<backend>` forces one backend everywhere it runs.
+
+The libraries are not the end of it. On the 2-core Intel Xeon the project later ran on, every one of
+them reads a float32 weight at 24-28 GB/s for one row but 9-15 GB/s from 4 rows up: at 8 rows the
+arithmetic is as long as the memory stream and they do not overlap the two. A fourth backend,
+`small_rows` (talaria/executor/small_rows.py), is an AVX-512 kernel of our own for 1 to 8 rows that
+prefetches the weight ahead of its loads; it is measured beside the libraries like any backend, and
+where it cannot run (no AVX-512, no compiler, past 8 rows, bfloat16) it is left out.
 
 Every backend reads the weight where it lies, a plain tensor in the arena: none keeps a prepacked
 copy, so staging, D2D switches and host restores, which copy arena bytes and rebind views, stay
@@ -41,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from talaria.executor import small_rows
 from talaria.executor.quant import QStack, QWeight, Weight, quantized_linear
 from talaria.models.conversion_cache import default_cache_dir, fingerprint
 
@@ -70,7 +78,10 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-BACKENDS: dict[str, Backend] = {"f_linear": _f_linear, "weight_left": _weight_left, "onednn": _onednn}
+# small_rows: our AVX-512 kernel for float32 at 1 to 8 rows; it raises NotImplementedError for anything
+# else and where it cannot run, and a measurement leaves it out of that product
+BACKENDS: dict[str, Backend] = {"f_linear": _f_linear, "weight_left": _weight_left, "onednn": _onednn,
+                                "small_rows": small_rows.linear}
 
 
 def row_bucket(rows: int) -> int:
@@ -151,14 +162,17 @@ class MatmulDispatch:
         if not (x.device.type == "cpu" and x.dtype in MEASURED and w.dtype == x.dtype and rows
                 and w.dim() == 2 and w.is_contiguous()):
             return F.linear(x, w, bias)
+        x2 = x.reshape(rows, x.shape[-1])
         if self.forced:
-            fn = self.backends[self.forced]
-        else:
-            fast = (torch.get_num_threads(), x.dtype, w.shape, bias is not None, row_bucket(rows))
-            fn = self._fast.get(fast)
-            if fn is None:
-                fn = self._fast[fast] = self.backends[self.backend(x.dtype, w, bias, rows)]
-        y = fn(x.reshape(rows, x.shape[-1]), w, bias)  # (rows, out)
+            try:
+                return self.backends[self.forced](x2, w, bias).view(*x.shape[:-1], w.shape[0])
+            except NotImplementedError:  # a product the forced backend cannot run (small_rows past 8 rows)
+                return F.linear(x, w, bias)
+        fast = (torch.get_num_threads(), x.dtype, w.shape, bias is not None, row_bucket(rows))
+        fn = self._fast.get(fast)
+        if fn is None:
+            fn = self._fast[fast] = self.backends[self.backend(x.dtype, w, bias, rows)]
+        y = fn(x2, w, bias)  # (rows, out)
         return y.view(*x.shape[:-1], w.shape[0])
 
     def backend(self, dtype: torch.dtype, w: torch.Tensor, bias: torch.Tensor | None, rows: int) -> str:
