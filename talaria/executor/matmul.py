@@ -23,7 +23,7 @@ again. `TALARIA_MATMUL=<backend>` forces one backend everywhere it runs.
 The libraries are not the end of it. On the 2-core Intel Xeon the project later ran on, every one of
 them reads a float32 weight at 24-28 GB/s for one row but 9-15 GB/s from 4 rows up: at 8 rows the
 arithmetic is as long as the memory stream and they do not overlap the two. A fourth backend,
-`small_rows` (talaria/executor/small_rows.py), is an AVX-512 kernel of our own for 1 to 8 rows that
+`small_rows` (talaria/executor/cpu_kernels.py), is an AVX-512 kernel of our own for 1 to 8 rows that
 prefetches the weight ahead of its loads; it is measured beside the libraries like any backend, and
 where it cannot run (no AVX-512, no compiler, past 8 rows, bfloat16) it is left out.
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from talaria.executor import small_rows
+from talaria.executor import cpu_kernels
 from talaria.executor.quant import QStack, QWeight, Weight, quantized_linear
 from talaria.models.conversion_cache import default_cache_dir, fingerprint
 
@@ -81,7 +81,7 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torc
 # small_rows: our AVX-512 kernel for float32 at 1 to 8 rows; it raises NotImplementedError for anything
 # else and where it cannot run, and a measurement leaves it out of that product
 BACKENDS: dict[str, Backend] = {"f_linear": _f_linear, "weight_left": _weight_left, "onednn": _onednn,
-                                "small_rows": small_rows.linear}
+                                "small_rows": cpu_kernels.small_rows}
 
 
 def row_bucket(rows: int) -> int:

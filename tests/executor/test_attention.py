@@ -13,15 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from talaria.contracts.step_plan import SeqChunk, StepPlan
+from talaria.executor import cpu_kernels
 from talaria.executor.attention import AttentionMeta, paged_attention
 
 PAGE, NH, NKV, HD, LAYERS = 4, 4, 2, 8, 3
+kernel = cpu_kernels.paged_decode
 
 
-def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hd: int = HD) -> torch.Tensor:
     """q: (nh, hd) one query; k, v: (ctx, nkv, hd) -> (nh, hd)."""
     g = NH // NKV
-    scores = torch.einsum("hd,thd->ht", q, k.repeat_interleave(g, dim=1)) / math.sqrt(HD)
+    scores = torch.einsum("hd,thd->ht", q, k.repeat_interleave(g, dim=1)) / math.sqrt(hd)
     return torch.einsum("ht,thd->hd", scores.softmax(-1), v.repeat_interleave(g, dim=1))
 
 
@@ -56,6 +58,41 @@ def test_decode_batch_equals_each_sequence_alone(contexts):
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(data.isnan(), before.isnan())  # the cache itself is untouched
 
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX-512 or no compiler: the kernel cannot run here")
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_in_float32_the_cpu_kernel_attends_the_pages_in_place(monkeypatch, with_prefill):
+    """float32, heads 16 wide: decode batches run through cpu_kernels.paged_decode (each batch once,
+    among a prefill chunk too) and equal the plain attention within float32 rounding; NaN wherever
+    no sequence wrote, the null page included, so a read past a context shows."""
+    hd, contexts, gen = 16, [5, 9, 12, 3, 1], torch.Generator().manual_seed(3)
+    data = torch.full((33, LAYERS, 2, PAGE, NKV, hd), float("nan"))
+    k_cache, v_cache = data[:, 1, 0], data[:, 1, 1]
+    free = torch.randperm(32, generator=gen).tolist()
+    chunks, keys, values, row = [], [], [], 0
+    if with_prefill:  # a 6-token prompt chunk first: the decodes are rows 6.. of the step
+        pages = tuple(free.pop() for _ in range(2))
+        chunks.append(SeqChunk(99, tuple(range(6)), 0, pages, sample=True))
+        row = 6
+    for i, ctx in enumerate(contexts):
+        pages = tuple(free.pop() for _ in range(-(-ctx // PAGE)))
+        k, v = torch.randn(ctx, NKV, hd, generator=gen), torch.randn(ctx, NKV, hd, generator=gen)
+        for pos in range(ctx):
+            k_cache[pages[pos // PAGE], pos % PAGE], v_cache[pages[pos // PAGE], pos % PAGE] = k[pos], v[pos]
+        chunks.append(SeqChunk(i, (0,), ctx - 1, pages, sample=True, decode=True))
+        keys.append(k)
+        values.append(v)
+    meta = AttentionMeta.build(StepPlan("m", tuple(chunks)), PAGE, 32, torch.device("cpu"))
+    q = torch.randn(row + len(contexts), NH, hd, generator=gen)
+    k_step = torch.randn(row + len(contexts), NKV, hd, generator=gen)
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    out = paged_attention(q, k_step, k_step, k_cache, v_cache, meta, hd ** -0.5)[row:]
+    want = torch.stack([plain(q[row + b].double(), keys[b].double(), values[b].double(), hd)
+                        for b in range(len(contexts))])
+    assert calls == [len(contexts)]
+    assert (out.double() - want).abs().max().item() <= 1e-5
 
 def test_decode_rows_among_a_prefill_chunk():
     """A step mixing a prefill chunk with decoding sequences puts each output on its own rows."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from talaria.executor import matmul, small_rows
+from talaria.executor import cpu_kernels, matmul
 from talaria.executor.matmul import (
     BACKENDS,
     STREAM_BYTES,
@@ -32,9 +32,9 @@ def operands(rows: int, out: int, k: int, dtype: torch.dtype = torch.float32, se
 
 def runs(x: torch.Tensor) -> dict:
     """The backends that run a product of x: all of them, less our kernel past its domain (float32,
-    1 to 8 rows); tests/executor/test_small_rows.py holds it to that domain."""
+    1 to 8 rows); tests/executor/test_cpu_kernels.py holds it to that domain."""
     return {name: fn for name, fn in BACKENDS.items()
-            if name != "small_rows" or (x.dtype == torch.float32 and x.shape[0] <= small_rows.MAX_ROWS)}
+            if name != "small_rows" or (x.dtype == torch.float32 and x.shape[0] <= cpu_kernels.MAX_ROWS)}
 
 
 class FakeCosts:
