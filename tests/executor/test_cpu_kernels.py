@@ -178,3 +178,15 @@ class TestPagedDecode:
         assert not cpu_kernels.paged_decode_runs(q.double(), k_cache.double(), v_cache.double())
         assert not cpu_kernels.paged_decode_runs(q[..., :40], k_cache[..., :40], v_cache[..., :40])  # 40 wide
         assert not cpu_kernels.paged_decode_runs(q, k_cache.transpose(2, 3), v_cache.transpose(2, 3))  # strided heads
+
+
+def test_turned_off_by_the_environment_torch_runs_everything(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_library", None)  # as a process starting with the variable set
+    monkeypatch.setattr(cpu_kernels, "_missing", None)
+    monkeypatch.setenv("TALARIA_CPU_KERNELS", "0")
+    assert cpu_kernels.library() is None and "TALARIA_CPU_KERNELS=0" in cpu_kernels._missing
+    x, w, _ = operands(4, 64, 96)
+    with pytest.raises(NotImplementedError, match="turned off"):
+        cpu_kernels.small_rows(x, w)
+    k_cache, v_cache = paged_cache(4, 16, 3, 64)
+    assert not cpu_kernels.paged_decode_runs(torch.randn(2, 9, 64), k_cache, v_cache)
