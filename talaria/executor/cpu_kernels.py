@@ -187,14 +187,15 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _library: ctypes.CDLL | None = None
-_missing: str | None = None  # why the kernel is not here, once that is known
+_missing: str | None = None  # why the kernels are not here, once that is known
 
 
 def build(folder: Path | None = None) -> Path:
     """The kernels' shared library, compiled once per source, flags and machine (under a lock: one
     process builds, the others wait and load it). Raises OSError with the reason when it cannot be."""
     folder = folder or default_cache_dir() / "kernels"
-    key = hashlib.blake2b(f"{SOURCE}{FLAGS}{platform.machine()}".encode(), digest_size=8).hexdigest()
+    torch_lib = Path(torch.__file__).parent / "lib"  # its libgomp: torch's OpenMP threads, not a second pool
+    key = hashlib.blake2b(f"{SOURCE}{FLAGS}{platform.machine()}{torch_lib}".encode(), digest_size=8).hexdigest()
     out = folder / f"cpu_kernels-{key}.so"
     failed = out.with_suffix(".failed")
     if out.exists():
@@ -211,7 +212,6 @@ def build(folder: Path | None = None) -> Path:
             raise OSError("no C++ compiler ($CXX, g++ or c++) to build it")
         src = out.with_suffix(".cpp")
         src.write_text(SOURCE)
-        torch_lib = Path(torch.__file__).parent / "lib"  # its libgomp: torch's OpenMP threads, not a second pool
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         log.info("building Talaria's CPU kernels (%s, once per machine)", cxx)
         done = subprocess.run([cxx, *FLAGS, str(src), f"-Wl,-rpath,{torch_lib}", "-o", str(tmp)],
