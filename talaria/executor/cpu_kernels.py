@@ -287,6 +287,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q (B, nh, hd), one query per sequence; caches (pages, page_size, nkv, hd); pages (B, width)
     int64, sequence b's context in pages[b] (padding past it is never read); lengths (B,) int64, each
     context's tokens, at least one -> (B, nh, hd): softmax(q K^T scale) V over each context."""
+    if pages.dtype != torch.int64 or lengths.dtype != torch.int64:  # the kernel reads them as int64
+        raise TypeError(f"paged_decode: pages and lengths are int64, not {pages.dtype} and {lengths.dtype}")
     B, nh, hd = q.shape
     q = q.contiguous()
     pages, lengths = pages.contiguous(), lengths.contiguous()

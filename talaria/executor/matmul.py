@@ -238,8 +238,11 @@ class MatmulDispatch:
     def path(self, threads: int) -> Path | None:
         if self.folder is None:
             return None
+        # the backends that run here: a file of choices made with our kernels is not read where they cannot
+        # run (TALARIA_CPU_KERNELS=0, no compiler), which would choose a backend that raises on every call
+        runnable = sorted(n for n in self.backends if n != "small_rows" or cpu_kernels.library() is not None)
         key = fingerprint({"schema": SCHEMA, "cpu": cpu_name(), "torch": torch.__version__, "threads": threads,
-                           "backends": sorted(self.backends)})
+                           "backends": runnable})
         return self.folder() / f"{key}.json"
 
     def _load(self, threads: int) -> None:

@@ -32,9 +32,9 @@ def operands(rows: int, out: int, k: int, dtype: torch.dtype = torch.float32, se
 
 def runs(x: torch.Tensor) -> dict:
     """The backends that run a product of x: all of them, less our kernel past its domain (float32,
-    1 to 8 rows); tests/executor/test_cpu_kernels.py holds it to that domain."""
-    return {name: fn for name, fn in BACKENDS.items()
-            if name != "small_rows" or (x.dtype == torch.float32 and x.shape[0] <= cpu_kernels.MAX_ROWS)}
+    1 to 8 rows) or where it cannot run; tests/executor/test_cpu_kernels.py holds it to both."""
+    return {name: fn for name, fn in BACKENDS.items() if name != "small_rows" or (
+        x.dtype == torch.float32 and x.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.library() is not None)}
 
 
 class FakeCosts:
@@ -65,7 +65,7 @@ def test_every_backend_is_f_linear_within_float32_rounding(rows, with_bias):
     b = b if with_bias else None
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     f_linear_err = (F.linear(x, w, b).double() - exact).abs().max().item()
-    assert ("small_rows" in runs(x)) == (rows <= 8)
+    assert ("small_rows" in runs(x)) == (rows <= 8 and cpu_kernels.library() is not None)
     for name, fn in runs(x).items():
         y = fn(x, w, b)
         assert y.shape == (rows, 96) and y.dtype == torch.float32 and y.is_contiguous(), name
@@ -77,7 +77,7 @@ def test_strided_inputs_are_read_as_they_lie():
     """MLA multiplies a column slice of its cache rows; a transposed input is another stride."""
     x, w, _ = operands(8, 32, 100)
     for xs in (x[:, :48], x[:, :48].t().contiguous().t()):
-        for name, fn in BACKENDS.items():
+        for name, fn in runs(xs).items():
             torch.testing.assert_close(fn(xs, w[:, :48].contiguous(), None), F.linear(xs, w[:, :48]), msg=name)
 
 
@@ -93,7 +93,7 @@ def test_a_weight_rewritten_in_place_is_read_anew():
     no backend may answer from a copy of the weight it saw before."""
     x, w, _ = operands(8, 64, 128)
     _, other, _ = operands(8, 64, 128, seed=1)
-    for name, fn in BACKENDS.items():
+    for name, fn in runs(x).items():
         arena = w.clone()
         fn(x, arena, None)
         arena.copy_(other)
@@ -242,3 +242,22 @@ def test_a_wrong_name_in_the_environment_is_a_warning_and_every_product_measured
     assert d.forced is None
     monkeypatch.setenv("TALARIA_MATMUL", "onednn")
     assert MatmulDispatch.default().forced == "onednn"
+
+
+def test_choices_made_with_our_kernel_are_not_read_where_it_cannot_run(tmp_path, monkeypatch):
+    """A file whose choices name `small_rows` must not be read by a process without the kernel
+    (TALARIA_CPU_KERNELS=0, no compiler): it would run a backend that refuses every product."""
+    costs = FakeCosts(lambda name, rows: {"small_rows": 1.0, "f_linear": 2.0}[name])
+    x, w, _ = operands(8, 32, 16)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: object())  # the kernel here
+    first = MatmulDispatch(costs.backends(("small_rows", "f_linear")), folder=lambda: tmp_path, clock=costs.clock,
+                           quiet=lambda: True)
+    first.linear(x, w)
+    assert list(first.chosen.values()) == ["small_rows"] and len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)  # and not there
+    costs.calls.clear()
+    without = MatmulDispatch(costs.backends(("small_rows", "f_linear")), folder=lambda: tmp_path, clock=costs.clock,
+                             quiet=lambda: True)
+    without.linear(x, w)
+    assert costs.calls["f_linear"] > 1  # measured, not read: its file is another
+    assert len(list(tmp_path.glob("*.json"))) == 2
