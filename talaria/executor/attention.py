@@ -2,7 +2,8 @@
 
 KV lives in pages (see kv_cache.py). A step's metadata says where each new token's K/V goes
 (page, offset) and which pages each sequence attends to. Prefill chunks run one SDPA call each,
-with a causal mask offset by the cached prefix. A lone decoding sequence gathers exactly its
+with a causal mask offset by the cached prefix (on the CPU in float32 and bfloat16, a later chunk
+runs as two unmasked halves instead, `_prefix_then_chunk`). A lone decoding sequence gathers exactly its
 context. A batch of decoding sequences (one query each) runs as one padded SDPA call, or, when
 they (or groups of them) share a long prefix, in two parts (below).
 
@@ -49,6 +50,10 @@ import torch.nn.functional as F
 
 from talaria.contracts.step_plan import StepPlan
 from talaria.executor import cpu_kernels
+
+# torch's CPU flash attention as an op, which also returns each query's log-sum-exp (float32): what
+# joins a prompt chunk's two halves (`_prefix_then_chunk`); where a torch lacks it, one masked SDPA
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(slots=True)
@@ -248,6 +253,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if p.mask is None:  # the chunk is the whole context: its own K/V, no gather
             kp = k[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nkv, ctx, hd)
             vp = v[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0).contiguous()
+        elif _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+            o = _prefix_then_chunk(qp, k_cache, v_cache, p, k[p.row:p.row + p.q_len], v[p.row:p.row + p.q_len],
+                                   scale)
+            out[p.row:p.row + p.q_len] = o.squeeze(0).transpose(0, 1)
+            continue
         else:
             kp = _gather(k_cache, p.pages, 1, p.ctx).transpose(1, 2)  # (1, nkv, ctx, hd)
             vp = _gather(v_cache, p.pages, 1, p.ctx).transpose(1, 2)
@@ -255,3 +265,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                            scale=scale, enable_gqa=gqa)
         out[p.row:p.row + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _prefix_then_chunk(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillSeq,
+                       k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A later prompt chunk's attention (CPU): to the cached prefix without a mask, to itself causally,
+    the two halves joined by their log-sum-exps, instead of one SDPA over the whole context with an
+    explicit mask, which the CPU flash kernel computes whole (masked half included): measured 1.3x
+    less time at 1,024 queries over 2,048 and 8,192 tokens. The chunk's own K/V are this step's (k, v:
+    (q_len, nkv, hd)), not gathered back. qp: (1, nh, q_len, hd) -> (1, nh, q_len, hd)."""
+    flash = _FLASH_CPU
+    _, nh, n, hd = qp.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    kp = _gather(k_cache, p.pages, 1, p.ctx - n).transpose(1, 2)  # (1, nkv, prefix, hd)
+    vp = _gather(v_cache, p.pages, 1, p.ctx - n).transpose(1, 2)
+    # without a mask each query is on its own: a KV head's g query heads go as one of g * n queries (GQA)
+    o1, l1 = flash(qp.reshape(1, nkv, g * n, hd), kp, vp, 0.0, False, scale=scale)
+    o1, l1 = o1.reshape(1, nh, n, hd), l1.reshape(1, nh, n)
+    own_k = k.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)  # (1, nh, n, hd)
+    own_v = v.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
+    o2, l2 = flash(qp.contiguous(), own_k, own_v, 0.0, True, scale=scale)
+    top = torch.maximum(l1, l2)
+    w1, w2 = (l1 - top).exp_().unsqueeze(-1), (l2 - top).exp_().unsqueeze(-1)  # (1, nh, n, 1) float32
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(qp.dtype)

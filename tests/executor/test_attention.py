@@ -94,6 +94,31 @@ def test_in_float32_the_cpu_kernel_attends_the_pages_in_place(monkeypatch, with_
     assert calls == [len(contexts)]
     assert (out.double() - want).abs().max().item() <= 1e-5
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_later_prompt_chunk_attends_its_prefix_then_itself_causally(dtype):
+    """On the CPU in float32 and bfloat16 a chunk after a cached prefix attends to the prefix without a
+    mask and to itself causally, the halves joined by their log-sum-exps: that equals causal
+    attention over the whole context, GQA included. The chunk's K/V come from the step, the prefix's
+    from its pages; NaN wherever nothing was written."""
+    gen, start, n = torch.Generator().manual_seed(5), 10, 7  # 10 tokens cached, a 7-token chunk
+    data = torch.full((9, 1, 2, PAGE, NKV, HD), float("nan"), dtype=dtype)
+    data[8].zero_()  # the null page
+    k_cache, v_cache = data[:, 0, 0], data[:, 0, 1]
+    pages = (3, 7, 1, 5, 2)
+    k, v = torch.randn(start + n, NKV, HD, generator=gen), torch.randn(start + n, NKV, HD, generator=gen)
+    for pos in range(start + n):  # the prefix, and this step's K/V written before attention runs
+        k_cache[pages[pos // PAGE], pos % PAGE], v_cache[pages[pos // PAGE], pos % PAGE] = k[pos], v[pos]
+    meta = AttentionMeta.build(StepPlan("m", (SeqChunk(0, tuple(range(n)), start, pages, sample=True),)), PAGE, 8,
+                               torch.device("cpu"))
+    q = torch.randn(n, NH, HD, generator=gen)
+    out = paged_attention(q.to(dtype), k[start:].to(dtype), v[start:].to(dtype), k_cache, v_cache, meta,
+                          1 / math.sqrt(HD))
+    want = torch.stack([plain(q[i].double(), k[:start + i + 1].double(), v[:start + i + 1].double())
+                        for i in range(n)])
+    assert out.dtype == dtype and not out.isnan().any()
+    assert (out.double() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 3e-2)
+
 def test_decode_rows_among_a_prefill_chunk():
     """A step mixing a prefill chunk with decoding sequences puts each output on its own rows."""
     gen = torch.Generator().manual_seed(7)
