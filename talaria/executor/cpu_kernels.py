@@ -266,7 +266,7 @@ def small_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         raise NotImplementedError(f"small_rows: {_missing}")
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    y = torch.empty(x.shape[0], w.shape[0])
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # whatever torch's default dtype
     lib.talaria_small_rows(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                            x.shape[0], w.shape[0], x.shape[1], prefetch, torch.get_num_threads())
     return y
@@ -293,8 +293,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     q = q.contiguous()
     pages, lengths = pages.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
-    library().talaria_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+    refused = library().talaria_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                                    k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), pages.data_ptr(),
                                    lengths.data_ptr(), out.data_ptr(), B, nh, k_cache.shape[2], hd,
                                    k_cache.shape[1], pages.shape[1], scale, torch.get_num_threads())
+    if refused:  # a head width or head grouping `paged_decode_runs` would have declined
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} against {k_cache.shape[2]} KV heads: not a shape it runs")
     return out

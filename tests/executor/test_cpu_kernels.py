@@ -67,6 +67,17 @@ class TestSmallRows:
         strided = torch.cat([x, x], dim=1)[:, :576]  # a column slice, as MLA multiplies its cache rows
         assert torch.equal(cpu_kernels.small_rows(strided, w, b), cpu_kernels.small_rows(x, w, b))
 
+    def test_its_result_is_float32_whatever_the_default_dtype(self):
+        x, w, b = operands(3, 40, 32)
+        default = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(torch.float64)
+            y = cpu_kernels.small_rows(x, w, b)
+        finally:
+            torch.set_default_dtype(default)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, F.linear(x, w, b))
+
     def test_a_forced_kernel_runs_its_domain_and_the_rest_on_f_linear(self):
         d = MatmulDispatch(forced="small_rows")
         x, w, b = operands(9, 64, 96)
