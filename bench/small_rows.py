@@ -1,4 +1,4 @@
-"""The engine's small-row kernel (issue 34) against the library backends, each product alone.
+"""Talaria's CPU kernels (issue 34) against torch: the small-row product alone, or the decode (--decode).
 
     python bench/small_rows.py [--rows 1,2,4,8] [--threads 2] [--json PATH]
     python bench/small_rows.py --decode [--rounds 6] [--threads 2] [--json PATH]
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"rows (tokens) per product, at most {MAX_ROWS} (default: 1,2,4,8)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
     ap.add_argument("--decode", action="store_true",
-                    help="SmolLM2's decode through the engine, with the kernel and with the libraries only")
+                    help="SmolLM2's decode through the engine: torch only, the small-row kernel, both kernels")
     ap.add_argument("--rounds", type=int, default=6, help="--decode: alternating rounds (default 6)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write the results (default: bench/results/small_rows.json, or "
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= MAX_ROWS for r in rows_list):
         ap.error(f"--rows: each between 1 and {MAX_ROWS}")
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     log = ProgressLog()
     load = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
