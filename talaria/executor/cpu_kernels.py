@@ -1,5 +1,5 @@
 """Talaria's own CPU kernels, in AVX-512 C++: the products of a few rows that the libraries stream
-slowly, and the decode step's attention over the paged KV cache.
+slowly, the decode step's attention over the paged KV cache, and a decode step's MoE experts.
 
 - `small_rows(x, w, bias)`: a float32 product of 1 to 8 rows (tokens) with a weight, the matmul
   dispatch's fourth backend (talaria/executor/matmul.py measures it beside the libraries). On the
@@ -15,15 +15,21 @@ slowly, and the decode step's attention over the paged KV cache.
   (two gathers a layer), masks it, and runs SDPA; this reads the pages in place, only up to each
   context's length, so nothing is copied, padded or masked. One task per (sequence, KV head): the
   scores of its query heads (GQA), their softmax (a vectorised exp), the values weighted by it.
+- `moe_experts(x, gate_up, down, counts)`: one MoE layer's routed experts in one call when no expert
+  has more than 8 assignments (a decode step; talaria/executor/moe.py), where the torch loop makes
+  five or six calls an expert: each expert a task, its gate+up and down products by the small-row
+  inner loop, silu(gate) * up between them. The expert products are small (0.5-1 MiB) and each call
+  of the loop costs more than its bytes.
 
-Both are plain C++ (no torch headers: they compile in about a second) called through ctypes, built
+All are plain C++ (no torch headers: they compile in about a second) called through ctypes, built
 once per machine with the system compiler (`$CXX`, g++ or c++) into `$TALARIA_CACHE_DIR/kernels/`,
 under a file lock, so ranks starting together build them once. The library links torch's libgomp
 by its rpath, so its OpenMP threads are torch's. A CPU without AVX-512 (as torch's own kernels see
 it), no compiler, a failed build, or `TALARIA_CPU_KERNELS=0` leaves them out: `small_rows` raises
 `NotImplementedError` (the dispatch's "this backend cannot run the product"), `paged_decode_runs`
-says no, and torch runs everything. A failed build is remembered beside the library (`.failed`,
-with the compiler's message) so later processes do not retry it; deleting the folder tries again.
+and `moe_experts_runs` say no, and torch runs everything. A failed build is remembered beside the
+library (`.failed`, with the compiler's message) so later processes do not retry it; deleting the
+folder tries again.
 """
 
 from __future__ import annotations
@@ -183,6 +189,55 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
   }
   return 0;
 }
+
+// The rows n0..n1 of y (M, N) = x (M, K) w (N, K)^T for any M <= 8, on the calling thread.
+static void block_any(int64_t M, const float* x, const float* w, float* y, int64_t n0, int64_t n1, int64_t N,
+                      int64_t K, int64_t pf) {
+  switch (M) {
+    case 1: block<1, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    case 2: block<2, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    case 3: block<3, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    case 4: block<4, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    case 5: block<5, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    case 6: block<6, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    case 7: block<7, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+    default: block<8, 2>(x, w, nullptr, y, n0, n1, N, K, pf); break;
+  }
+}
+
+// One MoE layer's routed experts, each over its assignments: x (A, H) grouped by expert, counts[e]
+// of them for expert e in order; gate_up (E, 2I, H) (gate rows, then up rows), down (E, H, I) ->
+// y (A, H) = (silu(x Wg^T) * x Wu^T) Wd^T per expert. One expert a task, eight rows at a time.
+extern "C" int talaria_moe_experts(const float* x, const float* gate_up, const float* down, const int64_t* counts,
+                                   float* y, int64_t E, int64_t H, int64_t I, int64_t pf, int threads) {
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> gu(8 * 2 * I), act(8 * I);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t r = start[e]; r < start[e + 1]; r += 8) {
+        const int64_t m = std::min<int64_t>(8, start[e + 1] - r);
+        block_any(m, x + r * H, gate_up + e * 2 * I * H, gu.data(), 0, 2 * I, 2 * I, H, pf);
+        for (int64_t i = 0; i < m; ++i) {  // silu(gate) * up, sigmoid from e^-|g| (exp_le0's domain)
+          const float* g = gu.data() + i * 2 * I;
+          for (int64_t j = 0; j < I; j += 16) {
+            const __mmask16 live = I - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - j)) - 1);
+            const __m512 gv = _mm512_maskz_loadu_ps(live, g + j), uv = _mm512_maskz_loadu_ps(live, g + I + j);
+            const __m512 t = exp_le0(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, t, one), _mm512_add_ps(one, t));
+            _mm512_mask_storeu_ps(act.data() + i * I + j, live, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+          }
+        }
+        block_any(m, act.data(), down + e * H * I, y + r * H, 0, H, H, I, pf);
+      }
+    }
+  }
+  return 0;
+}
 """
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -245,7 +300,8 @@ def library() -> ctypes.CDLL | None:
     lib.talaria_small_rows.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
     lib.talaria_paged_decode.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
                                          _I64, _I64, ctypes.c_float, ctypes.c_int]
-    lib.talaria_small_rows.restype = lib.talaria_paged_decode.restype = ctypes.c_int
+    lib.talaria_moe_experts.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
+    lib.talaria_small_rows.restype = lib.talaria_paged_decode.restype = lib.talaria_moe_experts.restype = ctypes.c_int
     _library = lib
     return lib
 
@@ -300,3 +356,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if refused:  # a head width or head grouping `paged_decode_runs` would have declined
         raise ValueError(f"paged_decode: q {tuple(q.shape)} against {k_cache.shape[2]} KV heads: not a shape it runs")
     return out
+
+
+def moe_experts_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, most: int) -> bool:
+    """Whether `moe_experts` runs this layer's experts: float32 on the CPU, stacked dense weights, and
+    at most MAX_ROWS assignments to any expert (`most`: a decode step's; a prompt's many go to GEMMs)."""
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # not packed (quant.py)
+            and x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.float32
+            and most <= MAX_ROWS and gate_up.dim() == down.dim() == 3 and gate_up.is_contiguous()
+            and down.is_contiguous() and library() is not None)
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (A, H), the assignments grouped by expert, counts (E,) int64 of them per expert in order;
+    gate_up (E, 2I, H), down (E, H, I) -> (A, H): each expert's silu(x Wg^T) * (x Wu^T), times Wd^T.
+    One call for the layer's experts, where the torch loop makes five or six calls an expert."""
+    E, two_i, H = gate_up.shape
+    if counts.dtype != torch.int64 or x.shape != (int(counts.sum()), H) or down.shape != (E, H, two_i // 2):
+        raise ValueError(f"moe_experts: x {tuple(x.shape)}, counts {counts.dtype} summing to {int(counts.sum())}, "
+                         f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} do not make the experts")
+    x, counts = x.contiguous(), counts.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    library().talaria_moe_experts(x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), counts.data_ptr(), y.data_ptr(),
+                                  E, H, two_i // 2, PREFETCH_ROWS, torch.get_num_threads())
+    return y

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
+from talaria.executor import cpu_kernels
 from talaria.executor.checkpoint import CheckpointError
 from talaria.executor.matmul import linear
 from talaria.executor.parallel import Shard
@@ -167,6 +168,8 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
         offs = counts.cumsum(0, dtype=torch.int32)  # (E,) end of each expert's rows
         gate, up = F.grouped_mm(x, lw.experts_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (T k, I_local)
         y = F.grouped_mm(F.silu(gate) * up, lw.experts_down.transpose(1, 2), offs=offs)  # (T k, H)
+    elif cpu_kernels.moe_experts_runs(x, lw.experts_gate_up, lw.experts_down, int(counts.max())):
+        y = cpu_kernels.moe_experts(x, lw.experts_gate_up, lw.experts_down, counts)  # a decode step: one call
     else:
         y = torch.empty_like(x)
         packed = not isinstance(lw.experts_down, torch.Tensor)

@@ -203,3 +203,40 @@ def test_turned_off_by_the_environment_torch_runs_everything(monkeypatch):
         cpu_kernels.small_rows(x, w)
     k_cache, v_cache = paged_cache(4, 16, 3, 64)
     assert not cpu_kernels.paged_decode_runs(torch.randn(2, 9, 64), k_cache, v_cache)
+
+
+def experts_reference(x, gate_up, down, counts):
+    """Each expert's silu(x Wg^T) * (x Wu^T) Wd^T over its assignments, in float64."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        gate, up = (x[start:start + n].double() @ gate_up[e].double().T).chunk(2, dim=-1)
+        out.append((F.silu(gate) * up) @ down[e].double().T)
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX-512 or no compiler: the kernels cannot run here")
+@pytest.mark.parametrize(("hidden", "inter"), [(96, 40), (512, 256), (64, 7)])  # expert widths with and without a tail
+def test_the_experts_of_a_layer_in_one_call_within_float32_rounding(hidden, inter):
+    """Experts with no assignment, one, eight, and eleven (past eight rows: two passes), gates of both
+    signs far out (silu's two branches)."""
+    g = torch.Generator().manual_seed(hidden)
+    counts = torch.tensor([3, 0, 8, 1, 11, 2])
+    gate_up = torch.randn(6, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    down = torch.randn(6, hidden, inter, generator=g) / inter ** 0.5
+    x = torch.randn(int(counts.sum()), hidden, generator=g) * 4
+    y = cpu_kernels.moe_experts(x, gate_up, down, counts)
+    exact = experts_reference(x, gate_up, down, counts)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert (y.double() - exact).abs().max().item() <= 1e-6 * max(1.0, exact.abs().max().item())
+    with pytest.raises(ValueError, match="do not make the experts"):
+        cpu_kernels.moe_experts(x[:-1], gate_up, down, counts)
+
+
+def test_the_expert_kernel_takes_what_it_can_run():
+    gate_up, down, x = torch.randn(4, 32, 16), torch.randn(4, 16, 16), torch.randn(5, 16)
+    can = cpu_kernels.library() is not None
+    assert cpu_kernels.moe_experts_runs(x, gate_up, down, 8) == can
+    assert not cpu_kernels.moe_experts_runs(x, gate_up, down, 9)  # a prompt's assignments: the GEMMs
+    assert not cpu_kernels.moe_experts_runs(x.double(), gate_up.double(), down.double(), 2)
+    assert not cpu_kernels.moe_experts_runs(x, gate_up.transpose(1, 2), down, 2)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
+from talaria.executor import cpu_kernels
 from talaria.executor.moe import grouped_mm_runs, moe_mlp
 
 H, E, I, S, T = 32, 8, 12, 20, 13  # hidden, experts, expert width, shared expert width, tokens
@@ -60,3 +61,17 @@ def test_both_expert_paths_equal_the_token_by_token_layer(k, norm):
     want = token_by_token(h32, lw32, a)
     torch.testing.assert_close(moe_mlp(h32, lw32, a, grouped=True), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(moe_mlp(h32, lw32, a, grouped=False), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX-512 or no compiler: the kernel cannot run here")
+def test_a_decode_steps_experts_run_as_one_cpu_kernel_call(monkeypatch):
+    """float32 on the CPU with a few tokens (no expert gets more than eight): the layer's experts run
+    in one call of cpu_kernels.moe_experts, equal to the token-by-token layer within float32 rounding."""
+    a, lw = arch(2, True), layer(torch.float32)
+    h = torch.randn(4, H, generator=torch.Generator().manual_seed(2))
+    calls = []
+    kernel = cpu_kernels.moe_experts
+    monkeypatch.setattr(cpu_kernels, "moe_experts", lambda *args: calls.append(args[3].tolist()) or kernel(*args))
+    out = moe_mlp(h, lw, a, grouped=False)
+    assert len(calls) == 1 and sum(calls[0]) == 4 * 2
+    torch.testing.assert_close(out, token_by_token(h, lw, a), rtol=1e-5, atol=1e-5)
