@@ -14,12 +14,13 @@ and row bucket when a model first runs; this shows it whole, in GB/s.
 The kernel is built as the engine builds it (the system C++ compiler, about a second, once, into
 `$TALARIA_CACHE_DIR/kernels/`). A CPU without AVX-512, or no compiler, is a clear message, exit 2.
 
-`--decode` asks the engine whole: SmolLM2-135M's decode at 1 and 8 requests, and at 1 request with
-a 2,112-token context (bench/engine.py's prompts and window, 32 tokens), through Talaria's Driver on
-three engines, alternating in one process for `--rounds` rounds: torch only (a matmul dispatch of
-the library backends, with its own measured choices from its own file, and the torch decode
-attention), with the small-row kernel, and with both kernels (the paged decode attention too, as
-the engine runs); each round's tokens/s and the median of the per-round ratios to torch only.
+`--decode` asks the engine whole: decode at 1 and 8 requests of SmolLM2-135M and of bench/engine.py's
+synthetic MoE model, and SmolLM2's at 1 request with a 2,112-token context (bench/engine.py's prompts
+and window, 32 tokens), through Talaria's Driver on three engines, alternating in one process for
+`--rounds` rounds: torch only (a matmul dispatch of the library backends, with its own measured
+choices from its own file, the torch decode attention and expert loop), with the small-row kernel,
+and with all kernels (the paged decode attention and the MoE experts' call too, as the engine runs);
+each round's tokens/s and the median of the per-round ratios to torch only.
 
 Each product runs over copies of its weight filling 400 MiB, one after another (the weight streams
 from memory as in a forward), fastest of 7; the table is GB/s of weight read. A result further from
@@ -87,12 +88,13 @@ def measure(rows_list: list[int], log: ProgressLog) -> tuple[list[dict], list[st
     return results, wrong
 
 
-# --decode's engines: (the matmul dispatch with the small-row kernel?, the paged decode attention kernel?)
-ENGINES = {"torch": (False, False), "small rows": (True, False), "both kernels": (True, True)}
+# --decode's engines: (the matmul dispatch with the small-row kernel?, the decode attention and MoE experts kernels?)
+ENGINES = {"torch": (False, False), "small rows": (True, False), "all kernels": (True, True)}
 
 
 def decode(rounds: int, log: ProgressLog) -> dict:
-    """SmolLM2 decode tok/s at 1 and 8 requests and at a long context on each of ENGINES, alternating."""
+    """Decode tok/s (SmolLM2 at 1 and 8 requests and at a long context, the MoE row's model at 1 and 8)
+    on each of ENGINES, alternating."""
     import engine  # bench/engine.py: its model, requests and timing
 
     from talaria.executor import matmul
@@ -100,24 +102,32 @@ def decode(rounds: int, log: ProgressLog) -> dict:
     files = engine.prepare_model(engine.MODEL, None)
     tok = engine.AutoTokenizer.from_pretrained(files.directory)
     prompt, prefix, tails = engine.build_inputs(tok)
-    cases = {"1": engine.distinct(prompt, 1, len(tok)), "8": engine.distinct(prompt, 8, len(tok)),
-             f"1 at {len(prefix + tails[0])}": [prefix + tails[0]]}  # a long context: attention's share grows
+    moe = engine.prepare_model(engine.MOE_MODEL, None)
+    moe_prompt = engine.AutoTokenizer.from_pretrained(moe.directory)(engine.QUESTION).input_ids
+    moe_vocab = engine.MOE_MODEL.shape.vocab_size
+    # name -> (model files, instance, prompts)
+    cases = {"1": (files, engine.INSTANCE, engine.distinct(prompt, 1, len(tok))),
+             "8": (files, engine.INSTANCE, engine.distinct(prompt, 8, len(tok))),
+             f"1 at {len(prefix + tails[0])}": (files, engine.INSTANCE, [prefix + tails[0]]),  # attention's share grows
+             "MoE 1": (moe, engine.MOE_INSTANCE, engine.distinct(moe_prompt, 1, moe_vocab)),
+             "MoE 8": (moe, engine.MOE_INSTANCE, engine.distinct(moe_prompt, 8, moe_vocab))}
     dispatches = {True: matmul.DISPATCH, False: matmul.MatmulDispatch(  # its own measured choices, in its own file
         {n: fn for n, fn in BACKENDS.items() if n != "small_rows"}, folder=matmul.DISPATCH.folder)}
     tok_s: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cases} for name in ENGINES}
     try:
         for r in range(rounds + 1):  # round 0 is untimed: each dispatch measures its products
             for name in ENGINES if r % 2 else reversed(ENGINES):
-                small, attention = ENGINES[name]
-                matmul.DISPATCH, cpu_kernels.PAGED_DECODE = dispatches[small], attention
-                for c, prompts in cases.items():
-                    served = engine.serve(engine.fresh_core(files), prompts, 32 if r else 4)
+                small, others = ENGINES[name]
+                matmul.DISPATCH, cpu_kernels.PAGED_DECODE, cpu_kernels.MOE_EXPERTS = dispatches[small], others, others
+                for c, (model, instance, prompts) in cases.items():
+                    served = engine.serve(engine.fresh_core(model, instance), prompts, 32 if r else 4,
+                                          instance.models[0])
                     if r:
                         tok_s[name][c].append(served.decode_tok_s)
             if r:
                 log(f"round {r}: " + ", ".join(f"{n} {c}: {v[c][-1]:.1f}" for n, v in tok_s.items() for c in cases))
     finally:
-        matmul.DISPATCH, cpu_kernels.PAGED_DECODE = dispatches[True], True
+        matmul.DISPATCH, cpu_kernels.PAGED_DECODE, cpu_kernels.MOE_EXPERTS = dispatches[True], True, True
     ratio = {name: {c: statistics.median(k / t for k, t in zip(tok_s[name][c], tok_s["torch"][c], strict=True))
                     for c in cases} for name in ENGINES}
     return {"tok_s": tok_s, "ratio_to_torch": ratio,
@@ -130,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"rows (tokens) per product, at most {MAX_ROWS} (default: 1,2,4,8)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
     ap.add_argument("--decode", action="store_true",
-                    help="SmolLM2's decode through the engine: torch only, the small-row kernel, both kernels")
+                    help="decode through the engine (SmolLM2, the MoE model): torch only, the small-row kernel, "
+                         "all kernels")
     ap.add_argument("--rounds", type=int, default=6, help="--decode: alternating rounds (default 6)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write the results (default: bench/results/small_rows.json, or "

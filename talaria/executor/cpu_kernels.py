@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # the accumulators of 8 tokens by 2 weight rows are 16 of the 32 vector registers
 PREFETCH_ROWS = 8  # the weight row prefetched beside each load: this many rows ahead (0: none)
 ENV_VAR = "TALARIA_CPU_KERNELS"  # "0": leave them out, torch runs everything
-PAGED_DECODE = True  # decode attention through `paged_decode` where it runs (bench/small_rows.py --decode turns it off)
+# where they run, decode attention through `paged_decode` and a decode step's experts through `moe_experts`
+# (bench/small_rows.py --decode turns them off to compare)
+PAGED_DECODE = MOE_EXPERTS = True
 FLAGS = ("-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 SOURCE = r"""
@@ -361,7 +363,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def moe_experts_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, most: int) -> bool:
     """Whether `moe_experts` runs this layer's experts: float32 on the CPU, stacked dense weights, and
     at most MAX_ROWS assignments to any expert (`most`: a decode step's; a prompt's many go to GEMMs)."""
-    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # not packed (quant.py)
+    return (MOE_EXPERTS and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # not packed
             and x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.float32
             and most <= MAX_ROWS and gate_up.dim() == down.dim() == 3 and gate_up.is_contiguous()
             and down.is_contiguous() and library() is not None)
