@@ -360,13 +360,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def moe_experts_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, most: int) -> bool:
+def moe_experts_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> bool:
     """Whether `moe_experts` runs this layer's experts: float32 on the CPU, stacked dense weights, and
-    at most MAX_ROWS assignments to any expert (`most`: a decode step's; a prompt's many go to GEMMs)."""
+    at most MAX_ROWS assignments to any expert (`counts`, per expert: a decode step's; a prompt's many
+    go to the GEMMs)."""
     return (MOE_EXPERTS and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # not packed
             and x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.float32
-            and most <= MAX_ROWS and gate_up.dim() == down.dim() == 3 and gate_up.is_contiguous()
-            and down.is_contiguous() and library() is not None)
+            and gate_up.dim() == down.dim() == 3 and gate_up.is_contiguous() and down.is_contiguous()
+            and int(counts.max()) <= MAX_ROWS and library() is not None)
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

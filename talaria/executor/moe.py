@@ -168,7 +168,7 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
         offs = counts.cumsum(0, dtype=torch.int32)  # (E,) end of each expert's rows
         gate, up = F.grouped_mm(x, lw.experts_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (T k, I_local)
         y = F.grouped_mm(F.silu(gate) * up, lw.experts_down.transpose(1, 2), offs=offs)  # (T k, H)
-    elif cpu_kernels.moe_experts_runs(x, lw.experts_gate_up, lw.experts_down, int(counts.max())):
+    elif cpu_kernels.moe_experts_runs(x, lw.experts_gate_up, lw.experts_down, counts):
         y = cpu_kernels.moe_experts(x, lw.experts_gate_up, lw.experts_down, counts)  # a decode step: one call
     else:
         y = torch.empty_like(x)

@@ -235,8 +235,8 @@ def test_the_experts_of_a_layer_in_one_call_within_float32_rounding(hidden, inte
 
 def test_the_expert_kernel_takes_what_it_can_run():
     gate_up, down, x = torch.randn(4, 32, 16), torch.randn(4, 16, 16), torch.randn(5, 16)
-    can = cpu_kernels.library() is not None
-    assert cpu_kernels.moe_experts_runs(x, gate_up, down, 8) == can
-    assert not cpu_kernels.moe_experts_runs(x, gate_up, down, 9)  # a prompt's assignments: the GEMMs
-    assert not cpu_kernels.moe_experts_runs(x.double(), gate_up.double(), down.double(), 2)
-    assert not cpu_kernels.moe_experts_runs(x, gate_up.transpose(1, 2), down, 2)
+    can, few, many = cpu_kernels.library() is not None, torch.tensor([8, 0, 2, 1]), torch.tensor([9, 0, 2, 1])
+    assert cpu_kernels.moe_experts_runs(x, gate_up, down, few) == can
+    assert not cpu_kernels.moe_experts_runs(x, gate_up, down, many)  # a prompt's assignments: the GEMMs
+    assert not cpu_kernels.moe_experts_runs(x.double(), gate_up.double(), down.double(), few)
+    assert not cpu_kernels.moe_experts_runs(x, gate_up.transpose(1, 2), down, few)
