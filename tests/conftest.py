@@ -84,6 +84,12 @@ class Server:
     def health(self) -> httpx.Response:
         return self.http.get(self.base_url + "/health", timeout=5)
 
+    def telemetry(self, timeout: float = 10) -> httpx.Response:
+        return self.http.get(self.base_url + "/talaria/telemetry", timeout=timeout)
+
+    def metrics(self, timeout: float = 10) -> httpx.Response:
+        return self.http.get(self.base_url + "/metrics", timeout=timeout)
+
     def worker_pids(self) -> list[int]:
         """The engine workers (multiprocessing spawn children, not its resource tracker), oldest
         first. Groups spawn in config order and each spawns its ranks in rank order, so at startup

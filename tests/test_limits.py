@@ -64,7 +64,7 @@ def in_flight(server: Server) -> int:
 
 
 def instance_stats(server: Server) -> dict:
-    return server.http.get(server.base_url + "/talaria/telemetry", timeout=5).json()["instances"]["hot-0"]["stats"]
+    return server.telemetry(timeout=5).json()["instances"]["hot-0"]["stats"]
 
 
 def assert_serving(server: Server) -> None:

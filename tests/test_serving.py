@@ -35,7 +35,7 @@ def http(server: Server) -> httpx.Client:
 
 def metric_samples(server: Server) -> dict[tuple[str, frozenset], float]:
     """/metrics as {(sample name, labels): value}."""
-    text = server.http.get(server.base_url + "/metrics", timeout=5).text
+    text = server.metrics(timeout=5).text
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -142,7 +142,7 @@ def test_the_hot_instance_publishes_the_correction_of_its_profile(client, server
                                    messages=[{"role": "user", "content": "Say hi."}])
 
     def corrections() -> dict:
-        entry = server.http.get(server.base_url + "/talaria/telemetry", timeout=10).json()["instances"]["hot-0"]
+        entry = server.telemetry().json()["instances"]["hot-0"]
         return entry["stats"]["cost_scale"]
     scale = wait_for(lambda: (s := corrections()) and {"smollm2/prefill", "smollm2/decode"} <= set(s) and s,
                      10, "hot-0's cost corrections in telemetry")
@@ -187,7 +187,7 @@ def test_metrics_expose_latency_histograms_and_load_gauges(client, server):
 # ---- operator endpoints: telemetry and forced switches ----------------------------------------
 
 def _cold_stats(server) -> dict:
-    return server.http.get(server.base_url + "/talaria/telemetry", timeout=10).json()["instances"]["cold-0"]["stats"]
+    return server.telemetry().json()["instances"]["cold-0"]["stats"]
 
 
 def test_admin_switch_answers_with_the_switch_record_and_telemetry_follows(server):

@@ -44,7 +44,7 @@ def used() -> dict[str, set[str]]:
 
 def scrape(server: Server) -> dict[str, set[str]]:
     """sample name -> the labels its samples carry."""
-    text = server.http.get(server.base_url + "/metrics", timeout=10).text
+    text = server.metrics().text
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -54,7 +54,7 @@ pytestmark = pytest.mark.slow
 
 def restarts(server: Server) -> int | None:
     """The node's worker restarts, all instances together; None when telemetry does not answer."""
-    r = server.http.get(server.base_url + "/talaria/telemetry", timeout=10)
+    r = server.telemetry()
     return sum(i["restarts"] for i in r.json()["instances"].values()) if r.status_code == 200 else None
 
 

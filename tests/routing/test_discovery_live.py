@@ -74,7 +74,7 @@ def start_node(folder: Path, node: str, port: int, peer_port: int, names: Path) 
 
 
 def telemetry(server: Server) -> dict:
-    return server.http.get(server.base_url + "/talaria/telemetry", timeout=5).json()
+    return server.telemetry(timeout=5).json()
 
 
 def members(server: Server) -> dict[str, dict]:

@@ -110,7 +110,7 @@ def completion(client: httpx.Client, base_url: str, model: str, prompt: str, ses
 
 
 def telemetry(server: Server) -> dict:
-    return server.http.get(server.base_url + "/talaria/telemetry", timeout=5).json()
+    return server.telemetry(timeout=5).json()
 
 
 # ---- one node, two hot instances ------------------------------------------------------------
