@@ -1,8 +1,12 @@
-"""The small-row AVX-512 kernel (talaria/executor/cpu_kernels.py): within float32 rounding of the exact
-product on every row count, input tail and weight-row tail it meets, the same bits on any thread
-count, with its prefetch or without; built once under a lock; a failed build remembered; refused
-(for the dispatch to leave it out) outside its domain. It must run here where it can: a machine with
-AVX-512 and a compiler that silently fell back to the libraries would fail this file."""
+"""Talaria's CPU kernels (talaria/executor/cpu_kernels.py), each against the exact computation in
+float64. The small-row product: within float32 rounding on every row count, input tail and
+weight-row tail it meets, with its prefetch or without; refused (for the dispatch to leave it out)
+outside its domain. The paged decode attention: within float32 rounding on every context shape,
+reading nothing past a context. A layer's MoE experts in one call: within float32 rounding, empty
+and multi-pass experts included. All: the same bits on any thread count, built once under a lock,
+a failed build remembered. They must run here where they can: a machine with AVX-512 and a compiler
+that silently fell back to torch would fail this file.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +20,7 @@ import torch.nn.functional as F
 
 from talaria.executor import cpu_kernels
 from talaria.executor.matmul import MatmulDispatch
-
-
-def operands(rows: int, out: int, k: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, k, generator=g), torch.randn(out, k, generator=g) / k ** 0.5,
-            torch.randn(out, generator=g))
+from tests.executor.test_matmul import operands  # x (rows, k), w (out, k) / sqrt(k), bias (out,)
 
 
 def rounding(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:
@@ -99,8 +98,9 @@ def test_outside_its_domain_it_refuses_and_a_wrong_shape_is_an_error():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no compiler: nothing to build with")
-def test_processes_starting_together_build_it_once(tmp_path, monkeypatch):
-    """Ranks start together: one builds under the lock, the others wait and load its library."""
+def test_builders_starting_together_build_it_once(tmp_path, monkeypatch):
+    """Ranks start together: one builds under the lock, the others wait and load its library. Three
+    threads here, each opening the lock file itself: flock excludes them as it does processes."""
     calls = tmp_path / "calls"
     cxx = tmp_path / "cxx"
     cxx.write_text(f"#!/bin/sh\necho x >> {calls}\nexec g++ \"$@\"\n")
