@@ -65,6 +65,11 @@ SOURCE = r"""
 #include <cstdint>
 #include <vector>
 
+// The lanes of a 16-float vector that hold elements when `left` of them remain.
+static inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
 // y (M, N) = x (M, K) w (N, K)^T (+ bias), float32, M <= 8, rows n0..n1 of w: R weight rows at a
 // time, one accumulator per weight row and token; the input's tail past a multiple of 16 through
 // masked loads. `pf`: prefetch the weight `pf` rows ahead (0: none).
@@ -72,7 +77,7 @@ template <int M, int R>
 static void block(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
                   int64_t N, int64_t K, int64_t pf) {
   const int64_t K16 = K / 16 * 16;
-  const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
+  const __mmask16 tail = lanes(K - K16);
   for (int64_t n = n0; n < n1; n += R) {
     const int r_here = (int)std::min<int64_t>(R, n1 - n);
     __m512 acc[R][M];
@@ -171,7 +176,7 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
         for (int64_t t = 1; t < n; ++t) m = std::max(m, sj[t]);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 16) {
-          const __mmask16 live = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+          const __mmask16 live = lanes(n - t);
           const __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sj + t), _mm512_set1_ps(m)));
           sum = _mm512_mask_add_ps(sum, live, sum, e);
           _mm512_mask_storeu_ps(sj + t, live, e);
@@ -225,7 +230,7 @@ extern "C" int talaria_moe_experts(const float* x, const float* gate_up, const f
         for (int64_t i = 0; i < m; ++i) {  // silu(gate) * up, sigmoid from e^-|g| (exp_le0's domain)
           const float* g = gu.data() + i * 2 * I;
           for (int64_t j = 0; j < I; j += 16) {
-            const __mmask16 live = I - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - j)) - 1);
+            const __mmask16 live = lanes(I - j);
             const __m512 gv = _mm512_maskz_loadu_ps(live, g + j), uv = _mm512_maskz_loadu_ps(live, g + I + j);
             const __m512 t = exp_le0(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
             const __m512 one = _mm512_set1_ps(1.0f);
