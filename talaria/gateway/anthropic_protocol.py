@@ -90,9 +90,11 @@ def parse_messages(body: Any, catalog: ModelCatalog, server: ServerConfig, heade
     stream = f.boolean("stream", False)
     stops = _stop_sequences(f)
     thinking = _thinking(f)
-    session = header_session_id or _session_of(f)
-    if session is not None and len(session) > MAX_SESSION_ID_CHARS:
-        raise APIError.invalid(f"the session id must be at most {MAX_SESSION_ID_CHARS} characters", "metadata.user_id")
+    session = _session_of(f)  # read (and so checked) even where the header names the session
+    for value, param in ((session, "metadata.user_id"), (header_session_id, "X-Session-Id")):
+        if value is not None and len(value) > MAX_SESSION_ID_CHARS:
+            raise APIError.invalid(f"the session id must be at most {MAX_SESSION_ID_CHARS} characters", param)
+    session = header_session_id or session
 
     tools = _tools(f)
     definitions = {d["function"]["name"]: d for d in tools.definitions} if tools is not None else {}

@@ -109,6 +109,13 @@ def test_the_session_comes_from_the_header_then_metadata(catalog):
     assert messages(catalog, "from-header", metadata=user).session_id == "from-header"
     assert messages(catalog, metadata={"user_id": "plain-user"}).session_id is None  # inferred later
     assert messages(catalog).session_id is None
+    # the header does not let a malformed metadata through, and a header too long is refused as such
+    for bad in ("x", {"user_id": 5}):
+        with pytest.raises(APIError, match="metadata"):
+            messages(catalog, "from-header", metadata=bad)
+    with pytest.raises(APIError, match="at most 256") as e:
+        messages(catalog, "h" * 257, metadata=user)
+    assert e.value.param == "X-Session-Id"
 
 
 def test_claude_code_2_1_s_json_user_id_names_the_session(catalog):
