@@ -20,14 +20,18 @@ slowly, the decode step's attention over the paged KV cache, and a decode step's
   five or six calls an expert: each expert a task, its gate+up and down products by the small-row
   inner loop, silu(gate) * up between them. The expert products are small (0.5-1 MiB) and each call
   of the loop costs more than its bytes.
+- `moe_routed(logits, h, gate_up, down, k, norm)`: the same for a decode step of at most 8 tokens,
+  with the routing around it: each token's top-k experts by router logit and their softmax weights,
+  the tokens' rows gathered per expert, and the weighted sum of their outputs. The torch path makes
+  a dozen small calls for those (softmax, topk, argsort, bincount, gathers, a scatter, bmm).
 
 All are plain C++ in cpu_kernels.cpp (no torch headers: they compile in about a second) called through ctypes, built
 once per machine with the system compiler (`$CXX`, g++ or c++) into `$TALARIA_CACHE_DIR/kernels/`,
 under a file lock, so ranks starting together build them once. The library links torch's libgomp
 by its rpath, so its OpenMP threads are torch's. A CPU without AVX-512 (as torch's own kernels see
 it), no compiler, a failed build, or `TALARIA_CPU_KERNELS=0` leaves them out: `small_rows` raises
-`NotImplementedError` (the dispatch's "this backend cannot run the product"), `paged_decode_runs`
-and `moe_experts_runs` say no, and torch runs everything. A failed build is remembered beside the
+`NotImplementedError` (the dispatch's "this backend cannot run the product"), `paged_decode_runs`,
+`moe_experts_runs` and `moe_routed_runs` say no, and torch runs everything. A failed build is remembered beside the
 library (`.failed`, with the compiler's message) so later processes do not retry it; deleting the
 folder tries again.
 """
@@ -54,8 +58,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # the accumulators of 8 tokens by 2 weight rows are 16 of the 32 vector registers
 PREFETCH_ROWS = 8  # the weight row prefetched beside each load: this many rows ahead (0: none)
 ENV_VAR = "TALARIA_CPU_KERNELS"  # "0": leave them out, torch runs everything
-# where they run, decode attention through `paged_decode` and a decode step's experts through `moe_experts`
-# (bench/small_rows.py --decode turns them off to compare)
+# where they run, decode attention through `paged_decode` and a decode step's MoE layers through `moe_routed`
+# and `moe_experts` (bench/small_rows.py --decode turns them off to compare)
 PAGED_DECODE = MOE_EXPERTS = True
 FLAGS = ("-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -122,7 +126,10 @@ def library() -> ctypes.CDLL | None:
     lib.talaria_paged_decode.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
                                          _I64, _I64, ctypes.c_float, ctypes.c_int]
     lib.talaria_moe_experts.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
-    lib.talaria_small_rows.restype = lib.talaria_paged_decode.restype = lib.talaria_moe_experts.restype = ctypes.c_int
+    lib.talaria_moe_routed.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, _I64, _I64, _I64,
+                                       ctypes.c_int]
+    for fn in (lib.talaria_small_rows, lib.talaria_paged_decode, lib.talaria_moe_experts, lib.talaria_moe_routed):
+        fn.restype = ctypes.c_int
     _library = lib
     return lib
 
@@ -202,3 +209,31 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, coun
     library().talaria_moe_experts(x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), counts.data_ptr(), y.data_ptr(),
                                   E, H, two_i // 2, PREFETCH_ROWS, torch.get_num_threads())
     return y
+
+
+def moe_routed_runs(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `moe_routed` runs this layer on `h`: 1 to MAX_ROWS tokens (a decode step's), float32
+    on the CPU, stacked dense weights, and the kernels here (softmax routing is the caller's check)."""
+    return (MOE_EXPERTS and h.dim() == 2 and 1 <= h.shape[0] <= MAX_ROWS and isinstance(gate_up, torch.Tensor)
+            and isinstance(down, torch.Tensor) and h.device.type == "cpu"
+            and h.dtype == gate_up.dtype == down.dtype == torch.float32 and gate_up.dim() == down.dim() == 3
+            and gate_up.is_contiguous() and down.is_contiguous() and library() is not None)
+
+
+def moe_routed(logits: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
+               norm: bool) -> torch.Tensor:
+    """A MoE layer's routed experts on h (T, H), routing included: logits (T, E) float32, the router's;
+    each token's k best experts, weighted by their softmax probabilities (renormalised over the k when
+    `norm`), gate_up (E, 2I, H), down (E, H, I) -> (T, H), the weighted sum of its experts' outputs.
+    One call, where the torch path makes a dozen around the experts (talaria/executor/moe.py)."""
+    (T, H), (E, two_i, _) = h.shape, gate_up.shape
+    if logits.shape != (T, E) or logits.dtype != torch.float32 or down.shape != (E, H, two_i // 2) or not 1 <= k <= E:
+        raise ValueError(f"moe_routed: logits {tuple(logits.shape)} {logits.dtype}, h {tuple(h.shape)}, gate_up "
+                         f"{tuple(gate_up.shape)}, down {tuple(down.shape)}, top-{k}: not a MoE layer")
+    h, logits = h.contiguous(), logits.contiguous()
+    out = torch.empty(T, H, dtype=torch.float32)
+    if library().talaria_moe_routed(logits.data_ptr(), h.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+                                    out.data_ptr(), T, E, k, int(norm), H, two_i // 2, PREFETCH_ROWS,
+                                    torch.get_num_threads()):
+        raise ValueError(f"moe_routed: {T} tokens: more than {MAX_ROWS}")
+    return out

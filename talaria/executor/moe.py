@@ -154,8 +154,25 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
     """h: (T, H) normed hidden states -> (T, H), this rank's partial sum (all-reduce to finish).
 
     grouped: one grouped GEMM over all experts per projection (`use_grouped_mm`), else a matmul
-    pair per expert that has tokens.
+    pair per expert that has tokens. On the CPU in float32, a decode step of at most 8 tokens with
+    softmax routing runs its routed experts, routing included, as one kernel call
+    (`cpu_kernels.moe_routed`).
     """
+    if arch.router_scoring != "sigmoid" and cpu_kernels.moe_routed_runs(h, lw.experts_gate_up, lw.experts_down):
+        out = cpu_kernels.moe_routed(F.linear(h, lw.router), h, lw.experts_gate_up, lw.experts_down,
+                                     arch.num_experts_per_tok, arch.norm_topk_prob)  # a decode step: one call
+    else:
+        out = _routed_experts(h, lw, arch, grouped)
+    if lw.shared_gate_up is not None:  # every token also runs the shared expert(s): Qwen's gated
+        gate, up = linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
+        shared = linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
+        out += shared if lw.shared_gate is None else torch.sigmoid(linear(h, lw.shared_gate)) * shared  # gate (T, 1)
+    return out
+
+
+def _routed_experts(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor:
+    """`moe_mlp`'s routed experts in torch: the assignments sorted by expert, each expert's run, the
+    router-weighted sum."""
     T, H = h.shape
     k = arch.num_experts_per_tok
     grouped = grouped and isinstance(lw.experts_down, torch.Tensor)  # packed experts: one at a time, dequantized
@@ -186,9 +203,4 @@ def moe_mlp(h: torch.Tensor, lw, arch: ModelArch, grouped: bool) -> torch.Tensor
             start += n
     by_token = torch.empty_like(y)
     by_token[order] = y  # back in assignment order
-    out = torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum
-    if lw.shared_gate_up is not None:  # every token also runs the shared expert(s): Qwen's gated
-        gate, up = linear(h, lw.shared_gate_up).chunk(2, dim=-1)  # (T, Is_local) each
-        shared = linear(F.silu(gate) * up, lw.shared_down)  # (T, H), partial over ranks
-        out += shared if lw.shared_gate is None else torch.sigmoid(linear(h, lw.shared_gate)) * shared  # gate (T, 1)
-    return out
+    return torch.bmm(weights.unsqueeze(1), by_token.view(T, k, H)).squeeze(1)  # (T, H): router-weighted sum

@@ -240,3 +240,54 @@ def test_the_expert_kernel_takes_what_it_can_run():
     assert not cpu_kernels.moe_experts_runs(x, gate_up, down, many)  # a prompt's assignments: the GEMMs
     assert not cpu_kernels.moe_experts_runs(x.double(), gate_up.double(), down.double(), few)
     assert not cpu_kernels.moe_experts_runs(x, gate_up.transpose(1, 2), down, few)
+
+
+def routed_reference(logits, h, gate_up, down, k, norm):
+    """Each token's k best experts by logit (the earlier first among equals), weighted by their softmax
+    probabilities (renormalised over the k when `norm`), in float64."""
+    probs = logits.double().softmax(-1)
+    chosen = logits.argsort(dim=-1, descending=True, stable=True)[:, :k]
+    weights = probs.gather(1, chosen)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    for t in range(h.shape[0]):
+        for w, e in zip(weights[t], chosen[t].tolist(), strict=True):
+            gate, up = (gate_up[e].double() @ h[t].double()).chunk(2)
+            out[t] += w * (down[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX-512 or no compiler: the kernels cannot run here")
+@pytest.mark.parametrize(("tokens", "k", "norm", "hidden", "inter"),
+                         [(1, 1, False, 96, 40), (8, 2, True, 64, 7), (5, 3, False, 40, 24), (8, 6, True, 512, 256)])
+def test_a_moe_layer_routed_in_one_call_within_float32_rounding(tokens, k, norm, hidden, inter):
+    """Routing and experts in one call: top-1 to every expert (k = E = 6), widths with and without a
+    tail, gates of both signs far out. Token 0's logits tie for every expert (the earlier expert
+    first); at eight tokens all pick expert 4 first (one expert's eight rows)."""
+    g = torch.Generator().manual_seed(hidden + tokens)
+    gate_up = torch.randn(6, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    down = torch.randn(6, hidden, inter, generator=g) / inter ** 0.5
+    h = torch.randn(tokens, hidden, generator=g) * 4
+    logits = torch.randn(tokens, 6, generator=g)
+    logits[0] = 0.5
+    if tokens == 8:
+        logits[:, 4] = 9.0
+    out = cpu_kernels.moe_routed(logits, h, gate_up, down, k, norm)
+    exact = routed_reference(logits, h, gate_up, down, k, norm)
+    assert out.dtype == torch.float32 and out.shape == h.shape
+    assert (out.double() - exact).abs().max().item() <= 1e-6 * max(1.0, exact.abs().max().item())
+
+
+def test_the_routed_kernel_takes_a_decode_step_and_refuses_the_rest():
+    gate_up, down, h = torch.randn(4, 32, 16), torch.randn(4, 16, 16), torch.randn(8, 16)
+    can = cpu_kernels.library() is not None
+    assert cpu_kernels.moe_routed_runs(h, gate_up, down) == can
+    assert not cpu_kernels.moe_routed_runs(torch.randn(9, 16), gate_up, down)  # a prompt: the GEMMs
+    assert not cpu_kernels.moe_routed_runs(h.double(), gate_up.double(), down.double())
+    assert not cpu_kernels.moe_routed_runs(h, gate_up.transpose(1, 2), down)
+    if can:
+        with pytest.raises(ValueError, match="not a MoE layer"):
+            cpu_kernels.moe_routed(torch.randn(8, 5), h, gate_up, down, 2, True)  # 5 logits for 4 experts
+        with pytest.raises(ValueError, match="more than 8"):
+            cpu_kernels.moe_routed(torch.randn(9, 4), torch.randn(9, 16), gate_up, down, 2, True)

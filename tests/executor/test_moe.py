@@ -63,15 +63,19 @@ def test_both_expert_paths_equal_the_token_by_token_layer(k, norm):
     torch.testing.assert_close(moe_mlp(h32, lw32, a, grouped=False), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX-512 or no compiler: the kernel cannot run here")
-def test_a_decode_steps_experts_run_as_one_cpu_kernel_call(monkeypatch):
-    """float32 on the CPU with a few tokens (no expert gets more than eight): the layer's experts run
-    in one call of cpu_kernels.moe_experts, equal to the token-by-token layer within float32 rounding."""
-    a, lw = arch(2, True), layer(torch.float32)
-    h = torch.randn(4, H, generator=torch.Generator().manual_seed(2))
-    calls = []
-    kernel = cpu_kernels.moe_experts
-    monkeypatch.setattr(cpu_kernels, "moe_experts", lambda *args: calls.append(args[3].tolist()) or kernel(*args))
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX-512 or no compiler: the kernels cannot run here")
+@pytest.mark.parametrize(("tokens", "k", "norm", "kernel"), [(1, 2, True, "moe_routed"), (8, 3, False, "moe_routed"),
+                                                             (10, 2, True, "moe_experts")])
+def test_a_decode_step_runs_as_one_cpu_kernel_call(monkeypatch, tokens, k, norm, kernel):
+    """float32 on the CPU: up to eight tokens (a decode step), the whole routed layer is one call of
+    cpu_kernels.moe_routed, routing included; more tokens but no expert with more than eight, the
+    experts are one call of cpu_kernels.moe_experts. Either equals the token-by-token layer within
+    float32 rounding."""
+    a, lw = arch(k, norm), layer(torch.float32)
+    h = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
+    calls = {name: [] for name in ("moe_routed", "moe_experts")}
+    for name, fn in [(name, getattr(cpu_kernels, name)) for name in calls]:
+        monkeypatch.setattr(cpu_kernels, name, lambda *args, name=name, fn=fn: calls[name].append(args) or fn(*args))
     out = moe_mlp(h, lw, a, grouped=False)
-    assert len(calls) == 1 and sum(calls[0]) == 4 * 2
+    assert {name: len(c) for name, c in calls.items()} == {n: int(n == kernel) for n in calls}
     torch.testing.assert_close(out, token_by_token(h, lw, a), rtol=1e-5, atol=1e-5)
