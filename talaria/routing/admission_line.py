@@ -85,7 +85,8 @@ def promise_times(now: float, excess_s: float, departures: list[tuple[float, flo
                   lifetime_s: float, scale: float = 1.0) -> list[float]:
     """When each of a line's sessions (their `charges`, in line order) is predicted to be admitted.
 
-    `excess_s`: how far the closest instance is past admitting the head now (0: it would now).
+    `excess_s`: how far the closest instance is past admitting the head now (0: it would now;
+    negative: it would, with that much room left, which the sessions after the head may take too).
     `departures`: (when, how much less it holds back) per admitted session, any order. Sessions
     leave in time order; each admission adds its charge and, `lifetime_s` later, takes it away again.
     A line longer than any departure can make room for gets infinity. `scale` stretches every wait."""

@@ -257,21 +257,24 @@ class PlacementCosts:
             return False
         return -(-need // page) <= t.free_pages
 
-    def excess_s(self, view: InstanceView, req: RouteRequest, cost: Cost) -> float:
+    def excess_s(self, view: InstanceView, req: RouteRequest, cost: Cost, signed: bool = False) -> float:
         """How far past its admission bound the call's predicted start is (0: within it): about how
         long until this instance would admit it, what a held call's patience and a 429's Retry-After
-        are sized from."""
+        are sized from. `signed`: within the bound, minus the room left (the admission line's promises
+        start from it: those behind an admitted head may fit in the same room)."""
         t = view.terms[req.model]
-        if cost.queue_s <= 0:
-            return 0.0
         if req.new_session:  # only the wait others cause counts, up to the TTFT target or the call's
             # own prefill, whichever is longer: a prompt whose prefill alone outlasts the target (an
             # agent's 18K-token first call on a slow machine) is admitted while others at most double it
             x = cost.prefill_s + cost.c_kv_s
             if view.load is not None:
                 x = view.load.admit_x(req.model, x)
-            return max(0.0, cost.queue_s + cost.c_act_s - max(t.ttft_s, x))
-        return max(0.0, cost.start_s - t.admit_s)
+            over = cost.queue_s + cost.c_act_s - max(t.ttft_s, x)
+        else:
+            over = cost.start_s - t.admit_s
+        if cost.queue_s <= 0:  # nothing ahead of it: never refused for its own length
+            over = min(0.0, over)
+        return over if signed else max(0.0, over)
 
     def replica_price(self, view: InstanceView, model: str, cost: Cost) -> float:
         """T_swap + mu_j * dW_m + nu_m (Eq. (2)): what opening `model` on this instance must beat.

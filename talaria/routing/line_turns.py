@@ -64,7 +64,7 @@ class LineTurns:
                               f"has no place in line; retry in {max(1, math.ceil(wait))} s", max(1, math.ceil(wait)),
                               math.ceil(wait * 1000))
         self._poll()
-        times = self._schedule(req.model, decision, entry, now)
+        times = self._schedule(req, decision, entry, now)
         if not len(self.load.lengths(req.model)):
             # priced from the paper's session lengths, before any of this model's sessions ended: a guess
             # too rough to turn a client away on. Its place is kept, and it is asked back by MAX_PROMISE_S
@@ -124,18 +124,20 @@ class LineTurns:
         start = max(view.ttft_s, cost.prefill_s + cost.c_kv_s)
         return max(0.0, min(self.line.hold_s, TTFT_SLACK * view.ttft_s - start))
 
-    def _schedule(self, model: str, decision: RouteDecision, entry: Waiting, now: float) -> list[float]:
+    def _schedule(self, req: RouteRequest, decision: RouteDecision, entry: Waiting, now: float) -> list[float]:
         """Predicted admission times of the model's line, in order (AdmissionLine.promise_times), on
-        the instance closest to admitting `entry`'s call (`decision`, the router's answer to it)."""
-        cost = decision.cost
+        the instance closest to admitting `entry`'s call `req` (`decision`, the router's answer to it)."""
+        model, cost = req.model, decision.cost
         order = self.line.order(model)
         if cost is None:  # nothing priced it (no fresh snapshot): the default wait, then ask again
             return [now + RETRY_AFTER_S] * len(order)
         x = self.load.on(cost.instance).admit_x(model, cost.prefill_s + cost.c_kv_s)  # what it is admitted against
-        entry.charge_s = min(x, cost.prefill_s + cost.decode_s)
+        # once in, what it holds back the sessions after it by: its next call (as long as its first, at most x),
+        # as likely as the model's sessions make a second call (session_load.py charges its tool gap so)
+        entry.charge_s = min(x, cost.prefill_s + cost.decode_s) * self.load.lengths(model).second_call()
         excess = decision.wait_s or 0.0
-        if decision.overload == "line" or not excess:
-            excess = 0.0
+        if decision.overload == "line":  # an instance admits it, the line held it back: the room left there
+            excess = min(0.0, self.router.costs.excess_s(self.router.views[cost.instance], req, cost, signed=True))
         times = promise_times(now, excess, self.load.departures(cost.instance, x, now),
                               [w.charge_s or entry.charge_s for w in order],
                               self.load.lifetime_s(cost.prefill_s + cost.decode_s, model), self.line.scale(model))

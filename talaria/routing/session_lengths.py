@@ -12,6 +12,9 @@ it has left.
   (in a 200-session burst, first promises of 8-17 s for a line that took 60 s to drain). Past the
   longest seen, Lindy's rule: a session is expected to last as long again as it has (`done` more
   calls), the estimate that assumes least about the distribution.
+- Second calls: the share of sessions that made one (`second_call`). A one-call client (a script, a
+  health check, an SDK without a session id) looks like an agent's first call; what tells them
+  apart is whether the model's sessions have been coming back.
 - Turns: a session's call-to-call time (its call's run and its tool gap), smoothed with the
   cost model's EWMA gain.
 
@@ -41,6 +44,11 @@ def prior_remaining_calls(done: int) -> float:
     if tail < 1e-12:  # far past the distribution: as long again (Lindy)
         return float(done)
     return math.exp(_MU + _SIGMA * _SIGMA / 2) * _N.cdf((_MU + _SIGMA * _SIGMA - k) / _SIGMA) / tail - done
+
+
+def prior_second_call() -> float:
+    """P(L >= 2) for L lognormal through PAPER_DEPTH (continuous, as `prior_remaining_calls`)."""
+    return _N.cdf((_MU - math.log(2)) / _SIGMA)
 
 
 class SessionLengths:
@@ -73,6 +81,13 @@ class SessionLengths:
                 n += count
                 more += (length - done) * count
         return more / n if n else float(done)
+
+    def second_call(self) -> float:
+        """The chance that a session makes a second call: the share of those seen that did (the
+        prior's before any ended)."""
+        if not self._counts:
+            return prior_second_call()
+        return 1.0 - self._counts.get(1, 0) / len(self._ended)
 
     def telemetry(self) -> dict:
         ended = sorted(self._ended)

@@ -11,7 +11,11 @@ goes quiet:
   reply, grown by what its previous turn added, else by the model's mean growth; its prefix kept, as
   far as the model's cache resumes from it (`PlacementCosts.work_s`: a recurrent state only at its
   snapshot), unless the prefixes of the sessions admitted there outgrow the KV pool: then a full
-  prefill);
+  prefill); after its first call, times the chance that it makes a second (`SessionLengths.
+  second_call`, the share of the model's ended sessions that did). A session that has called twice
+  is an agent loop and is charged in full until it goes quiet; a first call alone tells nothing, and
+  a node serving one-call clients (scripts, SDKs without a session id: no tool gap is ever seen, so
+  each stays charged for QUIET_FIRST_S) learns from them ending to reserve nothing for them;
 - once quiet (no call for longer than this model's tool gaps suggest, `GapEstimate`; at most
   `session_ttl_s`): nothing. It is still an admitted session (talaria/routing/shedding.py); its next
   call charges again from its arrival.
@@ -212,7 +216,8 @@ class SessionLoad:
             if prefill is not None:
                 self.on(instance).observe_next(model, prefill)
         work = self.price(instance, model, end + growth, max(0, end - 1), max_tokens, footprint)
-        self._charge(s, instance, s.work_s if work is None else work, end)
+        returns = self.lengths(model).second_call() if s.calls == 1 else 1.0
+        self._charge(s, instance, returns * (s.work_s if work is None else work), end)
         self._rest(s, now)
 
     def failed(self, session: str, model: str, now: float) -> None:

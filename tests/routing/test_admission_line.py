@@ -27,6 +27,7 @@ from talaria.routing.session_lengths import (
     PAPER_DEPTH,
     SessionLengths,
     prior_remaining_calls,
+    prior_second_call,
 )
 from tests.gateway.fakes import MODEL, FakeEchoGroup
 from tests.routing.test_dispatcher import PROFILE_ECHO, Clock, dispatcher, place
@@ -45,6 +46,8 @@ def test_promises_walk_the_departures_and_each_admission_adds_its_charge():
     # nothing past the bound: the head now; those admitted leave `lifetime_s` later and make room again
     assert promise_times(5.0, 0.0, [], [1.0, 1.0], lifetime_s=30.0) == [5.0, 35.0]
     assert promise_times(0.0, 3.0, [(1.0, 1.0)], [1.0], 30.0) == [math.inf]  # no departure can make room
+    # room left (the head would be in with 1.5 s to spare): the next one fits in it too, the third does not
+    assert promise_times(5.0, -1.5, [], [1.0, 1.0, 1.0], lifetime_s=30.0) == [5.0, 5.0, 35.0]
     assert promise_times(0.0, 2.0, departures, [1.0], 100.0, scale=1.5) == [16.5]  # every wait stretched
 
 
@@ -70,6 +73,7 @@ def test_before_any_session_ends_the_calls_left_are_the_papers_agent_sessions():
     for k in (1, 3, 11, 49):
         tail = [x for x in grid if x >= k]
         assert prior_remaining_calls(k) == pytest.approx(sum(tail) / len(tail) - k, rel=5e-3)
+    assert prior_second_call() == pytest.approx(sum(x >= 2 for x in grid) / len(grid), rel=1e-4)  # 0.97
 
 
 def test_the_line_is_in_arrival_order_one_session_of_each_tenant_per_round():
@@ -330,3 +334,34 @@ def test_the_head_of_the_line_back_when_told_is_held_until_it_is_in_past_the_ttf
             await asyncio.sleep(0)
         assert head.done() and head.result().group is n.group
     asyncio.run(scenario())
+
+
+
+def test_one_call_clients_are_learned_and_no_longer_reserve_what_they_never_use():
+    """Clients that call once and go (scripts, SDKs without a session id), one a second for a minute,
+    each coming back at its Retry-After when turned away. The model's one agent so far came back with
+    1,500 tokens more (a 1.5 s call): while nothing says otherwise, a first call reserves such a next
+    call until the session goes quiet, and two fill the node. Seen ending after one call, they reserve
+    only the share that made a second: the line drains, and in the last 15 s every newcomer is
+    admitted at its first call. (Were every first call charged in full, the node would admit two per
+    quiet time while one arrives each second: the line would only grow.)"""
+    n = Node()
+    two_call_sessions(n, ["agent"], 0.0)
+    n.at(n.clock.now + 30.0)
+    start, due, tries = n.clock.now, {}, {}  # session -> when its client comes back; its calls so far
+    for step in range(int(75 / CONTROL_INTERVAL_S)):
+        n.at(start + step * CONTROL_INTERVAL_S)
+        if step % int(1 / CONTROL_INTERVAL_S) == 0 and len(tries) < 60:
+            due[f"one{len(tries)}"] = n.clock.now
+            tries[f"one{len(tries)}"] = 0
+        for session in [s for s, t in due.items() if t <= n.clock.now]:
+            tries[session] += 1
+            try:
+                n.serve(session, 1000)
+                del due[session]
+            except Overloaded as e:
+                due[session] = n.clock.now + e.retry_after_ms / 1000
+    assert not due and len(n.d.line) == 0  # every client got in
+    assert [tries[f"one{i}"] for i in range(45, 60)] == [1] * 15
+    assert sum(t > 1 for t in tries.values()) >= 3  # the first ones waited: the node had learned nothing yet
+    assert n.d.load.lengths(MODEL).second_call() < 0.1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from talaria.routing.session_lengths import prior_second_call
 from talaria.routing.session_load import (
     QUIET_FIRST_S,
     QUIET_MIN_S,
@@ -36,7 +37,8 @@ def test_a_session_charges_its_call_then_its_next_call_through_its_tool_gap():
     load.completed("s", "m", "a", prompt_tokens=300, reply_tokens=20, max_tokens=20, now=2.0)
     # no growth seen yet for the model: the next prompt is this call's prompt and reply
     assert prices.asked[-1] == ("a", "m", 320, 319, 20, 320)
-    assert load.on("a").total_s == pytest.approx(0.001 * (1 + 20))
+    # after a first call, the chance of a second: before any session ended, the paper's agents'
+    assert load.on("a").total_s == pytest.approx(0.001 * (1 + 20) * prior_second_call())
     assert load.on("a").kv == {"m": 320}
     load.sweep(2.0 + QUIET_FIRST_S - 0.01)
     assert load.on("a").total_s > 0  # still in its tool gap
@@ -66,7 +68,7 @@ def test_prefixes_past_the_pool_are_priced_as_full_prefills():
     load.completed("s0", "m", "a", 5980, 20, 20, now=1.0)
     # its footprint counts the other session's prefix (6,000) and its own (6,000, not twice)
     assert prices.asked[-1][5] == 12_000
-    assert load.on("a").total_s == pytest.approx(1.0 + 0.001 * (6000 + 20))
+    assert load.on("a").total_s == pytest.approx(1.0 + 0.001 * (6000 + 20) * prior_second_call())
 
 
 def test_a_session_goes_quiet_after_the_gap_estimate_and_a_quiet_one_charges_again_when_it_calls():
@@ -139,6 +141,33 @@ def test_each_model_learns_its_own_turns_and_session_lengths():
     assert load.lifetime_s(0.5, "hot") == pytest.approx(0.5 + 1 * 2.0 + load.quiet_s("hot"))
     assert load.lifetime_s(0.5, "cold") == pytest.approx(0.5 + 3 * 20.0 + load.quiet_s("cold"))
     assert load.telemetry()["hot"] == {"sessions_seen": 1, "mean_calls": 2.0, "p95_calls": 2, "turn_s": 2.0}
+
+
+def test_one_call_sessions_are_learned_and_charge_nothing_after_their_call():
+    """A client that calls once (a script, an SDK without a session id) never shows a tool gap, so
+    it stays charged for QUIET_FIRST_S. Once the model's sessions are seen ending after one call,
+    a first call's gap is charged by the share that made a second; a session that has made two is
+    charged in full whatever the lengths seen."""
+    prices = Prices()
+    load = SessionLoad(prices, ttl_s=900.0)
+    for i in range(3):  # three one-call sessions, then a two-call one
+        load.placed(f"one{i}", "m", "a", 0.1, 110, now=0.0)
+        load.completed(f"one{i}", "m", "a", 100, 10, 10, now=1.0)
+    load.placed("two", "m", "a", 0.1, 110, now=0.0)
+    load.completed("two", "m", "a", 100, 10, 10, now=1.0)
+    load.arrived("two", "m", 300, now=2.0)
+    load.placed("two", "m", "a", 0.3, 310, now=2.0)
+    load.completed("two", "m", "a", 300, 10, 10, now=3.0)
+    load.sweep(100.0)
+    assert load.lengths("m").second_call() == pytest.approx(1 / 4) and load.on("a").total_s == 0.0
+    load.placed("new", "m", "a", 0.1, 110, now=100.0)
+    load.completed("new", "m", "a", 100, 10, 10, now=101.0)
+    assert load.on("a").total_s == pytest.approx(prices(*prices.asked[-1]) / 4)
+    load.arrived("new", "m", 300, now=102.0)  # it came back: an agent loop, its next call charged in full
+    load.placed("new", "m", "a", 0.3, 310, now=102.0)
+    load.completed("new", "m", "a", 300, 10, 10, now=103.0)
+    assert load.on("a").total_s == pytest.approx(prices(*prices.asked[-1]))
+    assert prices.asked[-1][2] > 300  # (priced from its own turn's growth)
 
 
 def test_a_new_session_is_admitted_against_the_models_next_calls_when_they_are_longer():
