@@ -100,7 +100,7 @@ from talaria.contracts.call import (
     InstanceCall,
     SamplingParams,
 )
-from talaria.executor import moe
+from talaria.executor import cpu_kernels, moe
 from talaria.executor.driver import Driver, start_driver
 from talaria.executor.executor import Executor
 from talaria.executor.matmul import DISPATCH
@@ -301,11 +301,12 @@ def routed_experts(files: ModelFiles, prompts: list[list[int]], n: int) -> float
         if h.shape[0] == len(prompts):
             counts.append(int(experts.unique().numel()))
         return experts, weights
-    moe.route = recording
+    moe.route, kernel = recording, cpu_kernels.MOE_EXPERTS
+    cpu_kernels.MOE_EXPERTS = False  # the CPU kernel routes inside its call: this untimed run routes in torch
     try:
         serve(fresh_core(files, MOE_INSTANCE), prompts, n, MOE_MODEL.name)
     finally:
-        moe.route = original
+        moe.route, cpu_kernels.MOE_EXPERTS = original, kernel
     steps = len(counts) / sum(files.arch.is_moe_layer(i) for i in range(files.arch.num_layers))
     return sum(counts) / steps
 

@@ -64,7 +64,7 @@ from report import ProgressLog, environment, render, write_json  # bench/report.
 from talaria.contracts.arch import ModelArch
 from talaria.contracts.kv_layout import kv_layout
 from talaria.contracts.step_plan import SeqChunk, StepPlan
-from talaria.executor import moe
+from talaria.executor import cpu_kernels, moe
 from talaria.executor.attention import AttentionMeta
 from talaria.executor.deltanet import deltanet_shapes, segments
 from talaria.executor.kv_cache import KVCache
@@ -243,11 +243,12 @@ class Layers:
             experts, weights = original(*args)
             seen.append(int(experts.unique().numel()))
             return experts, weights
-        moe.route = recording
+        moe.route, kernel = recording, cpu_kernels.MOE_EXPERTS
+        cpu_kernels.MOE_EXPERTS = False  # the CPU kernel routes inside its call: this untimed run routes in torch
         try:
             run()
         finally:
-            moe.route = original
+            moe.route, cpu_kernels.MOE_EXPERTS = original, kernel
         it = iter(seen)
         return [next(it) if self.arch.is_moe_layer(i) else None for i in range(self.arch.num_layers)]
 
