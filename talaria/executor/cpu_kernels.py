@@ -235,5 +235,5 @@ def moe_routed(logits: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, dow
     if library().talaria_moe_routed(logits.data_ptr(), h.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
                                     out.data_ptr(), T, E, k, int(norm), H, two_i // 2, PREFETCH_ROWS,
                                     torch.get_num_threads()):
-        raise ValueError(f"moe_routed: {T} tokens: more than {MAX_ROWS}")
+        raise ValueError(f"moe_routed: {T} tokens, not 1 to {MAX_ROWS}")
     return out
