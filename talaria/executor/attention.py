@@ -43,7 +43,7 @@ Only those few positions are written; padding pages are the null page, zeros alr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +62,22 @@ class PrefillSeq:
     q_len: int
     ctx: int  # context length, chunk included
     pages: torch.Tensor  # (ceil(ctx / page_size),) pages of the context
-    mask: torch.Tensor | None  # (q_len, ctx) bool, None when the chunk is the whole context (causal)
+    _mask: torch.Tensor | None = field(default=None, repr=False)  # `mask()`, once built
+
+    @property
+    def whole(self) -> bool:
+        """The chunk is the whole context: causal attention over its own K/V, no mask."""
+        return self.q_len == self.ctx
+
+    def mask(self) -> torch.Tensor | None:
+        """(q_len, ctx) bool, each query seeing the context up to its own position; None for a whole
+        chunk. Built at its first use, once a step for every layer: the CPU's float path never needs
+        it (`_prefix_then_chunk`), and at 40K tokens it is 40 MB."""
+        if self._mask is None and not self.whole:
+            dev = self.pages.device
+            q_pos = torch.arange(self.ctx - self.q_len, self.ctx, device=dev)[:, None]
+            self._mask = torch.arange(self.ctx, device=dev)[None, :] <= q_pos
+        return self._mask
 
 
 @dataclass(slots=True)
@@ -102,11 +117,7 @@ class AttentionMeta:
                 dec_pages.append(pages)
                 dec_ctx.append(c.context_len)
             else:
-                mask = None
-                if c.start_pos:
-                    q_pos = torch.arange(c.start_pos, c.context_len)[:, None]
-                    mask = (torch.arange(c.context_len)[None, :] <= q_pos).to(device)  # (q_len, ctx)
-                prefills.append(PrefillSeq(row, n, c.context_len, torch.tensor(pages, device=device), mask))
+                prefills.append(PrefillSeq(row, n, c.context_len, torch.tensor(pages, device=device)))
             row += n
         decodes = ()
         if dec_rows:
@@ -250,7 +261,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     gqa = q.shape[1] != k_cache.shape[2]
     for p in meta.prefills:
         qp = q[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, nh, q_len, hd)
-        if p.mask is None:  # the chunk is the whole context: its own K/V, no gather
+        if p.whole:  # the chunk is the whole context: its own K/V, no gather
             kp = k[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nkv, ctx, hd)
             vp = v[p.row:p.row + p.q_len].transpose(0, 1).unsqueeze(0).contiguous()
         elif _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
@@ -261,7 +272,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             kp = _gather(k_cache, p.pages, 1, p.ctx).transpose(1, 2)  # (1, nkv, ctx, hd)
             vp = _gather(v_cache, p.pages, 1, p.ctx).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask(), is_causal=p.whole,
                                            scale=scale, enable_gqa=gqa)
         out[p.row:p.row + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out

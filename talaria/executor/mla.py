@@ -138,10 +138,10 @@ class MLA:
             else:
                 out.index_copy_(0, d.rows, o)
         for i, p in enumerate(meta.prefills):
-            ctx = latent[p.row:p.row + p.q_len] if p.mask is None else _gather(cache, p.pages, 1, p.ctx)[0]
+            ctx = latent[p.row:p.row + p.q_len] if p.whole else _gather(cache, p.pages, 1, p.ctx)[0]
             sel = selection.prefills[i] if selection is not None else None
             chunk = self._latent_prefill if self.absorbs(p.q_len) else self._prefill
-            out[p.row:p.row + p.q_len] = chunk(q[p.row:p.row + p.q_len], ctx, p.mask, kv_b, sel)
+            out[p.row:p.row + p.q_len] = chunk(q[p.row:p.row + p.q_len], ctx, p.mask(), kv_b, sel)
         return linear(out.reshape(T, -1), lw.o_proj), selection
 
     def _prefill(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None, kv_b: torch.Tensor,
@@ -244,9 +244,8 @@ class MLA:
             if p.ctx <= topk:
                 out.prefills.append(None)
                 continue
-            keys = k[p.row:p.row + p.q_len] if p.mask is None else _gather(cache, p.pages, 1, p.ctx)[0]
-            causal = p.mask if p.mask is not None else torch.ones(p.q_len, p.ctx, dtype=torch.bool,
-                                                                   device=k.device).tril_()
+            keys = k[p.row:p.row + p.q_len] if p.whole else _gather(cache, p.pages, 1, p.ctx)[0]
+            causal = torch.ones(p.q_len, p.ctx, dtype=torch.bool, device=k.device).tril_() if p.whole else p.mask()
             block = max(1, SCORE_BYTES // (4 * a.index_n_heads * p.ctx))  # queries per block of scores
             rows = range(p.row, p.row + p.q_len, block)
             out.prefills.append(torch.cat([

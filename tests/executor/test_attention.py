@@ -282,6 +282,10 @@ def test_groups_among_prefill_chunks():
     seqs = [(*c.extend(a, 2), 1), (*c.extend(None, 5), 5), (*c.extend(b, 1), 1), (*c.extend(a, 3), 1),
             (*c.extend(None, 6), 1), (*c.extend(a, 7), 3), (*c.extend(b, 6), 1), (*c.extend(a, 4), 1)]
     meta, out, want = run_step(c, seqs)
-    assert [(p.row, p.q_len, p.mask is None) for p in meta.prefills] == [(1, 5, True), (9, 3, False)]
+    assert [(p.row, p.q_len, p.whole, p.mask() is None) for p in meta.prefills] == [(1, 5, True, True),
+                                                                                    (9, 3, False, False)]
+    chunk = meta.prefills[1]  # 3 queries after a cached prefix: each sees the prefix and itself back
+    prefix = chunk.ctx - chunk.q_len
+    assert chunk.mask().tolist() == [[j <= prefix + i for j in range(chunk.ctx)] for i in range(chunk.q_len)]
     assert batches(meta) == [([0, 7, 13], 3), ([6, 12], 4), ([8], 0)]
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
