@@ -186,14 +186,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-def moe_experts_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> bool:
-    """Whether `moe_experts` runs this layer's experts: float32 on the CPU, stacked dense weights, and
-    at most MAX_ROWS assignments to any expert (`counts`, per expert: a decode step's; a prompt's many
-    go to the GEMMs)."""
-    return (MOE_EXPERTS and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # not packed
+def _dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """The MoE kernels' common ground: turned on, float32 on the CPU, the experts stacked dense and
+    contiguous (not packed), and the kernels here."""
+    return (MOE_EXPERTS and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
             and x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.float32
             and gate_up.dim() == down.dim() == 3 and gate_up.is_contiguous() and down.is_contiguous()
-            and int(counts.max()) <= MAX_ROWS and library() is not None)
+            and library() is not None)
+
+
+def moe_experts_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> bool:
+    """Whether `moe_experts` runs this layer's experts: `_dense_experts`, and at most MAX_ROWS
+    assignments to any expert (`counts`, per expert: a decode step's; a prompt's many go to the GEMMs)."""
+    return _dense_experts(x, gate_up, down) and int(counts.max()) <= MAX_ROWS
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -212,12 +217,9 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, coun
 
 
 def moe_routed_runs(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether `moe_routed` runs this layer on `h`: 1 to MAX_ROWS tokens (a decode step's), float32
-    on the CPU, stacked dense weights, and the kernels here (softmax routing is the caller's check)."""
-    return (MOE_EXPERTS and h.dim() == 2 and 1 <= h.shape[0] <= MAX_ROWS and isinstance(gate_up, torch.Tensor)
-            and isinstance(down, torch.Tensor) and h.device.type == "cpu"
-            and h.dtype == gate_up.dtype == down.dtype == torch.float32 and gate_up.dim() == down.dim() == 3
-            and gate_up.is_contiguous() and down.is_contiguous() and library() is not None)
+    """Whether `moe_routed` runs this layer on `h`: 1 to MAX_ROWS tokens (a decode step's) and
+    `_dense_experts` (softmax routing is the caller's check)."""
+    return h.dim() == 2 and 1 <= h.shape[0] <= MAX_ROWS and _dense_experts(h, gate_up, down)
 
 
 def moe_routed(logits: torch.Tensor, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
