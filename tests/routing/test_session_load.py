@@ -21,12 +21,14 @@ POOL = 10_000
 class Prices:
     def __init__(self) -> None:
         self.asked: list[tuple] = []
+        self.said: list[float] = []  # the prices answered, in order
 
     def __call__(self, instance: str, model: str, prompt: int, reusable: int, max_tokens: int, footprint: int) -> float:
         self.asked.append((instance, model, prompt, reusable, max_tokens, footprint))
         if footprint > POOL:
             reusable = 0
-        return 0.001 * (prompt - reusable + max_tokens)
+        self.said.append(0.001 * (prompt - reusable + max_tokens))
+        return self.said[-1]
 
 
 def test_a_session_charges_its_call_then_its_next_call_through_its_tool_gap():
@@ -162,11 +164,11 @@ def test_one_call_sessions_are_learned_and_charge_nothing_after_their_call():
     assert load.lengths("m").second_call() == pytest.approx(1 / 4) and load.on("a").total_s == 0.0
     load.placed("new", "m", "a", 0.1, 110, now=100.0)
     load.completed("new", "m", "a", 100, 10, 10, now=101.0)
-    assert load.on("a").total_s == pytest.approx(prices(*prices.asked[-1]) / 4)
+    assert prices.said[-1] > 0 and load.on("a").total_s == pytest.approx(prices.said[-1] / 4)
     load.arrived("new", "m", 300, now=102.0)  # it came back: an agent loop, its next call charged in full
     load.placed("new", "m", "a", 0.3, 310, now=102.0)
     load.completed("new", "m", "a", 300, 10, 10, now=103.0)
-    assert load.on("a").total_s == pytest.approx(prices(*prices.asked[-1]))
+    assert load.on("a").total_s == pytest.approx(prices.said[-1])
     assert prices.asked[-1][2] > 300  # (priced from its own turn's growth)
 
 
