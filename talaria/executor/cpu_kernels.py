@@ -25,15 +25,16 @@ slowly, the decode step's attention over the paged KV cache, and a decode step's
   the tokens' rows gathered per expert, and the weighted sum of their outputs. The torch path makes
   a dozen small calls for those (softmax, topk, argsort, bincount, gathers, a scatter, bmm).
 
-All are plain C++ in cpu_kernels.cpp (no torch headers: they compile in about a second) called through ctypes, built
-once per machine with the system compiler (`$CXX`, g++ or c++) into `$TALARIA_CACHE_DIR/kernels/`,
-under a file lock, so ranks starting together build them once. The library links torch's libgomp
-by its rpath, so its OpenMP threads are torch's. A CPU without AVX-512 (as torch's own kernels see
-it), no compiler, a failed build, or `TALARIA_CPU_KERNELS=0` leaves them out: `small_rows` raises
-`NotImplementedError` (the dispatch's "this backend cannot run the product"), `paged_decode_runs`,
-`moe_experts_runs` and `moe_routed_runs` say no, and torch runs everything. A failed build is remembered beside the
-library (`.failed`, with the compiler's message) so later processes do not retry it; deleting the
-folder tries again.
+All are plain C++ (cpu_kernels.h, cpu_kernels.cpp; no torch headers: they compile in
+a few seconds) called through ctypes, built once per machine with the system compiler (`$CXX`, g++
+or c++) into `$TALARIA_CACHE_DIR/kernels/`, under a file lock, so ranks starting together build them
+once. The library links torch's libgomp by its rpath, so its OpenMP threads are torch's. A CPU
+without AVX-512 (as torch's own kernels see it), no compiler, a failed build, or
+`TALARIA_CPU_KERNELS=0` leaves them out: `small_rows` raises `NotImplementedError` (the dispatch's
+"this backend cannot run the product"), `paged_decode_runs`, `moe_experts_runs` and
+`moe_routed_runs` say no, and torch runs everything. A failed build
+is remembered beside the library (`.failed`, with the compiler's message) so later processes do not
+retry it; deleting the folder tries again.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ ENV_VAR = "TALARIA_CPU_KERNELS"  # "0": leave them out, torch runs everything
 # where they run, decode attention through `paged_decode` and a decode step's MoE layers through `moe_routed`
 # and `moe_experts` (bench/small_rows.py --decode turns them off to compare)
 PAGED_DECODE = MOE_EXPERTS = True
-FLAGS = ("-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -ffp-contract=off: an a * b + c the source writes is two roundings, as torch computes it, never an FMA unasked
+FLAGS = ("-O3", "-mavx512f", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
-SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()  # the C++ (no torch headers)
+# the C++ (no torch headers), read once: the library is built from this text, whatever the files become
+SOURCES = {name: (Path(__file__).parent / name).read_text()
+           for name in ("cpu_kernels.h", "cpu_kernels.cpp")}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _library: ctypes.CDLL | None = None
@@ -75,7 +79,7 @@ def build(folder: Path | None = None) -> Path:
     process builds, the others wait and load it). Raises OSError with the reason when it cannot be."""
     folder = folder or default_cache_dir() / "kernels"
     torch_lib = Path(torch.__file__).parent / "lib"  # its libgomp: torch's OpenMP threads, not a second pool
-    key = hashlib.blake2b(f"{SOURCE}{FLAGS}{platform.machine()}{torch_lib}".encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b(f"{SOURCES}{FLAGS}{platform.machine()}{torch_lib}".encode(), digest_size=8).hexdigest()
     out = folder / f"cpu_kernels-{key}.so"
     failed = out.with_suffix(".failed")
     if out.exists():
@@ -90,11 +94,14 @@ def build(folder: Path | None = None) -> Path:
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
         if cxx is None:
             raise OSError("no C++ compiler ($CXX, g++ or c++) to build it")
-        src = out.with_suffix(".cpp")
-        src.write_text(SOURCE)
+        src = out.with_suffix("")  # the sources it is built from, beside it
+        src.mkdir(exist_ok=True)
+        for name, text in SOURCES.items():
+            (src / name).write_text(text)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         log.info("building Talaria's CPU kernels (%s, once per machine)", cxx)
-        done = subprocess.run([cxx, *FLAGS, str(src), f"-Wl,-rpath,{torch_lib}", "-o", str(tmp)],
+        units = [str(src / name) for name in SOURCES if name.endswith(".cpp")]
+        done = subprocess.run([cxx, *FLAGS, *units, f"-Wl,-rpath,{torch_lib}", "-o", str(tmp)],
                               capture_output=True, text=True, check=False)
         if done.returncode:
             failed.write_text(f"{cxx}: exit {done.returncode}\n{done.stderr}")

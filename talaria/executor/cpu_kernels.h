@@ -1,0 +1,141 @@
+// The inner parts Talaria's CPU kernels share (cpu_kernels.cpp, decode_layer.cpp): the small-row
+// product, the vectorised exp, silu(gate) * up, and one sequence's attention over its paged K/V.
+#pragma once
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+// The lanes of a 16-float vector that hold elements when `left` of them remain.
+static inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+// y (M, N) = x (M, K) w (N, K)^T (+ bias), float32, M <= 8, rows n0..n1 of w: R weight rows at a
+// time, one accumulator per weight row and token; the input's tail past a multiple of 16 through
+// masked loads. `pf`: prefetch the weight `pf` rows ahead (0: none). `add`: y += the product
+// instead (a residual stream: each element the product rounded, then added, as torch's x + y).
+template <int M, int R>
+static void block(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
+                  int64_t N, int64_t K, int64_t pf, bool add = false) {
+  const int64_t K16 = K / 16 * 16;
+  const __mmask16 tail = lanes(K - K16);
+  for (int64_t n = n0; n < n1; n += R) {
+    const int r_here = (int)std::min<int64_t>(R, n1 - n);
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const float* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = w + (n + std::min(r, r_here - 1)) * K;
+    const bool fetch = pf > 0 && n + pf + R <= N;
+    for (int64_t k = 0; k <= K16; k += 16) {
+      if (k == K16 && !tail) break;
+      __m512 wv[R];
+      for (int r = 0; r < R; ++r) {
+        wv[r] = k < K16 ? _mm512_loadu_ps(wr[r] + k) : _mm512_maskz_loadu_ps(tail, wr[r] + k);
+        if (fetch) _mm_prefetch((const char*)(wr[r] + pf * K + k), _MM_HINT_T0);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = k < K16 ? _mm512_loadu_ps(x + m * K + k) : _mm512_maskz_loadu_ps(tail, x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+      }
+    }
+    for (int r = 0; r < r_here; ++r)
+      for (int m = 0; m < M; ++m) {
+        const float v = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n + r] : 0.0f);
+        y[m * N + n + r] = add ? y[m * N + n + r] + v : v;
+      }
+  }
+}
+
+// The rows n0..n1 of y (M, N) = x (M, K) w (N, K)^T (+ bias; `add`: y += it) for any M <= 8, on the
+// calling thread.
+static void block_any(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
+                      int64_t N, int64_t K, int64_t pf, bool add = false) {
+  switch (M) {
+    case 1: block<1, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    case 2: block<2, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    case 3: block<3, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    case 4: block<4, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    case 5: block<5, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    case 6: block<6, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    case 7: block<7, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+    default: block<8, 2>(x, w, bias, y, n0, n1, N, K, pf, add); break;
+  }
+}
+
+// e^x for x <= 0 (scores less their maximum): 2^n e^r with |r| <= ln2 / 2, e^r by its Taylor series
+// to r^7 (truncation under 6e-9, below float32's rounding), 2^n by scalef; under -87 it is 0 to float32.
+static inline __m512 exp_le0(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  for (float ci : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ci));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(gate) * up for m rows of gu (m, 2I: gate, then up) into act (m, I); sigmoid from e^-|g| (exp_le0's domain).
+static void silu_mul(const float* gu, float* act, int64_t m, int64_t I) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* g = gu + i * 2 * I;
+    for (int64_t j = 0; j < I; j += 16) {
+      const __mmask16 live = lanes(I - j);
+      const __m512 gv = _mm512_maskz_loadu_ps(live, g + j), uv = _mm512_maskz_loadu_ps(live, g + I + j);
+      const __m512 t = exp_le0(_mm512_sub_ps(zero, _mm512_abs_ps(gv)));
+      const __mmask16 pos = _mm512_cmp_ps_mask(gv, zero, _CMP_GE_OQ);
+      const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, t, one), _mm512_add_ps(one, t));
+      _mm512_mask_storeu_ps(act + i * I + j, live, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+    }
+  }
+}
+
+// A layer's paged K/V cache: element (page, row, kv head, d) of K at page * k_page + row * k_token +
+// head * hd + d, of V likewise; `ps` rows (tokens) a page.
+struct PagedKV {
+  const float *k, *v;
+  int64_t k_page, k_token, v_page, v_token, ps;
+};
+
+// The g query heads of KV head h, q (g, hd) contiguous, against one sequence's n >= 1 tokens, token t
+// in page pg[t / ps] -> out (g, hd): each head's scores over the context, their softmax (the
+// vectorised exp), the values weighted by it. hd a multiple of 16 up to 256; `s` is scratch.
+static void attend(const float* q, const PagedKV& kv, const int64_t* pg, int64_t n, int64_t h, int64_t g,
+                   int64_t hd, float scale, float* out, std::vector<float>& s) {
+  const int64_t V = hd / 16, n16 = (n + 15) / 16 * 16, ps = kv.ps;
+  s.resize(g * n16);
+  for (int64_t j = 0; j < g; ++j) {
+    __m512 qv[16];
+    for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + j * hd + 16 * v);
+    float* sj = s.data() + j * n16;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kr = kv.k + pg[t / ps] * kv.k_page + (t % ps) * kv.k_token + h * hd;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), acc);
+      sj[t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+    float m = sj[0];
+    for (int64_t t = 1; t < n; ++t) m = std::max(m, sj[t]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 live = lanes(n - t);
+      const __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sj + t), _mm512_set1_ps(m)));
+      sum = _mm512_mask_add_ps(sum, live, sum, e);
+      _mm512_mask_storeu_ps(sj + t, live, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    __m512 acc[16];
+    for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vr = kv.v + pg[t / ps] * kv.v_page + (t % ps) * kv.v_token + h * hd;
+      const __m512 p = _mm512_set1_ps(sj[t]);
+      for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * v), acc[v]);
+    }
+    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(acc[v], inv));
+  }
+}
