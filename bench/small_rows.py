@@ -16,11 +16,12 @@ The kernel is built as the engine builds it (the system C++ compiler, about a se
 
 `--decode` asks the engine whole: decode at 1 and 8 requests of SmolLM2-135M and of bench/engine.py's
 synthetic MoE model, and SmolLM2's at 1 request with a 2,112-token context (bench/engine.py's prompts
-and window, 32 tokens), through Talaria's Driver on three engines, alternating in one process for
+and window, 32 tokens), through Talaria's Driver on four engines, alternating in one process for
 `--rounds` rounds: torch only (a matmul dispatch of the library backends, with its own measured
 choices from its own file, the torch decode attention and expert loop), with the small-row kernel,
-and with all kernels (the paged decode attention and the MoE experts' call too, as the engine runs);
-each round's tokens/s and the median of the per-round ratios to torch only.
+with the op kernels too (the paged decode attention and the MoE experts' call), and with all kernels
+(a layer's attention and dense MLP blocks in one call each too, talaria/executor/decode_layer.py, as
+the engine runs); each round's tokens/s and the median of the per-round ratios to torch only.
 
 Each product runs over copies of its weight filling 400 MiB, one after another (the weight streams
 from memory as in a forward), fastest of 7; the table is GB/s of weight read. A result further from
@@ -88,8 +89,10 @@ def measure(rows_list: list[int], log: ProgressLog) -> tuple[list[dict], list[st
     return results, wrong
 
 
-# --decode's engines: (the matmul dispatch with the small-row kernel?, the decode attention and MoE experts kernels?)
-ENGINES = {"torch": (False, False), "small rows": (True, False), "all kernels": (True, True)}
+# --decode's engines: (the matmul dispatch with the small-row kernel?, the decode attention and MoE experts kernels?,
+# a decode step's layer blocks in one call each?)
+ENGINES = {"torch": (False, False, False), "small rows": (True, False, False), "op kernels": (True, True, False),
+           "all kernels": (True, True, True)}
 
 
 def decode(rounds: int, log: ProgressLog) -> dict:
@@ -117,8 +120,9 @@ def decode(rounds: int, log: ProgressLog) -> dict:
     try:
         for r in range(rounds + 1):  # round 0 is untimed: each dispatch measures its products
             for name in ENGINES if r % 2 else reversed(ENGINES):
-                small, others = ENGINES[name]
-                matmul.DISPATCH, cpu_kernels.PAGED_DECODE, cpu_kernels.MOE_EXPERTS = dispatches[small], others, others
+                small, ops, layers = ENGINES[name]
+                matmul.DISPATCH, cpu_kernels.PAGED_DECODE, cpu_kernels.MOE_EXPERTS = dispatches[small], ops, ops
+                cpu_kernels.DECODE_LAYERS = layers
                 for c, (model, instance, prompts) in cases.items():
                     served = engine.serve(engine.fresh_core(model, instance), prompts, 32 if r else 4,
                                           instance.models[0])
@@ -128,6 +132,7 @@ def decode(rounds: int, log: ProgressLog) -> dict:
                 log(f"round {r}: " + ", ".join(f"{n} {c}: {v[c][-1]:.1f}" for n, v in tok_s.items() for c in cases))
     finally:
         matmul.DISPATCH, cpu_kernels.PAGED_DECODE, cpu_kernels.MOE_EXPERTS = dispatches[True], True, True
+        cpu_kernels.DECODE_LAYERS = True
     ratio = {name: {c: statistics.median(k / t for k, t in zip(tok_s[name][c], tok_s["torch"][c], strict=True))
                     for c in cases} for name in ENGINES}
     return {"tok_s": tok_s, "ratio_to_torch": ratio,
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
     ap.add_argument("--decode", action="store_true",
                     help="decode through the engine (SmolLM2, the MoE model): torch only, the small-row kernel, "
-                         "all kernels")
+                         "the op kernels too, all kernels (the fused layer blocks too)")
     ap.add_argument("--rounds", type=int, default=6, help="--decode: alternating rounds (default 6)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write the results (default: bench/results/small_rows.json, or "

@@ -25,14 +25,18 @@ slowly, the decode step's attention over the paged KV cache, and a decode step's
   the tokens' rows gathered per expert, and the weighted sum of their outputs. The torch path makes
   a dozen small calls for those (softmax, topk, argsort, bincount, gathers, a scatter, bmm).
 
-All are plain C++ (cpu_kernels.h, cpu_kernels.cpp; no torch headers: they compile in
+- `talaria_decode_attention` and `talaria_decode_mlp` (decode_layer.cpp): a decode step's attention
+  block and dense MLP block of a layer, each one call from the residual stream back into it, with
+  the parts above inside; talaria/executor/decode_layer.py calls them.
+
+All are plain C++ (cpu_kernels.h, cpu_kernels.cpp, decode_layer.cpp; no torch headers: they compile in
 a few seconds) called through ctypes, built once per machine with the system compiler (`$CXX`, g++
 or c++) into `$TALARIA_CACHE_DIR/kernels/`, under a file lock, so ranks starting together build them
 once. The library links torch's libgomp by its rpath, so its OpenMP threads are torch's. A CPU
 without AVX-512 (as torch's own kernels see it), no compiler, a failed build, or
 `TALARIA_CPU_KERNELS=0` leaves them out: `small_rows` raises `NotImplementedError` (the dispatch's
 "this backend cannot run the product"), `paged_decode_runs`, `moe_experts_runs` and
-`moe_routed_runs` say no, and torch runs everything. A failed build
+`moe_routed_runs` say no, decode_layer.py fuses nothing, and torch runs everything. A failed build
 is remembered beside the library (`.failed`, with the compiler's message) so later processes do not
 retry it; deleting the folder tries again.
 """
@@ -59,15 +63,16 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # the accumulators of 8 tokens by 2 weight rows are 16 of the 32 vector registers
 PREFETCH_ROWS = 8  # the weight row prefetched beside each load: this many rows ahead (0: none)
 ENV_VAR = "TALARIA_CPU_KERNELS"  # "0": leave them out, torch runs everything
-# where they run, decode attention through `paged_decode` and a decode step's MoE layers through `moe_routed`
-# and `moe_experts` (bench/small_rows.py --decode turns them off to compare)
-PAGED_DECODE = MOE_EXPERTS = True
+# where they run, decode attention through `paged_decode`, a decode step's MoE layers through `moe_routed`
+# and `moe_experts`, and its decoder layers' blocks through talaria/executor/decode_layer.py
+# (bench/small_rows.py --decode turns them off to compare)
+PAGED_DECODE = MOE_EXPERTS = DECODE_LAYERS = True
 # -ffp-contract=off: an a * b + c the source writes is two roundings, as torch computes it, never an FMA unasked
 FLAGS = ("-O3", "-mavx512f", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 # the C++ (no torch headers), read once: the library is built from this text, whatever the files become
 SOURCES = {name: (Path(__file__).parent / name).read_text()
-           for name in ("cpu_kernels.h", "cpu_kernels.cpp")}
+           for name in ("cpu_kernels.h", "cpu_kernels.cpp", "decode_layer.cpp")}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _library: ctypes.CDLL | None = None
@@ -135,7 +140,13 @@ def library() -> ctypes.CDLL | None:
     lib.talaria_moe_experts.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
     lib.talaria_moe_routed.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, _I64, _I64, _I64,
                                        ctypes.c_int]
-    for fn in (lib.talaria_small_rows, lib.talaria_paged_decode, lib.talaria_moe_experts, lib.talaria_moe_routed):
+    lib.talaria_decode_attention.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P,  # x .. wo
+                                             _P, _P, _I64, _I64, _I64, _I64, _I64,  # the caches
+                                             _P, _P, _P, _P, _I64,  # where the new keys go, what each attends
+                                             _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]
+    lib.talaria_decode_mlp.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, ctypes.c_int]
+    for fn in (lib.talaria_small_rows, lib.talaria_paged_decode, lib.talaria_moe_experts, lib.talaria_moe_routed,
+               lib.talaria_decode_attention, lib.talaria_decode_mlp):
         fn.restype = ctypes.c_int
     _library = lib
     return lib

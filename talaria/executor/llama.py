@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from talaria.contracts.arch import ModelArch
 from talaria.executor.attention import AttentionMeta, paged_attention
+from talaria.executor.decode_layer import DecodeLayers
 from talaria.executor.deltanet import Segment, deltanet_mixer
 from talaria.executor.kv_cache import KVCache
+from talaria.executor.matmul import linear
 from talaria.executor.mla import MLA
 from talaria.executor.moe import moe_mlp, use_grouped_mm
-from talaria.executor.parallel import Shard, TPGroup
-from talaria.executor.matmul import linear
 from talaria.executor.norms import rms_norm
+from talaria.executor.parallel import Shard, TPGroup
 from talaria.executor.rope import apply_rope, rope_cos_sin, softmax_scale
 from talaria.executor.weights import ModelWeights
 
@@ -46,6 +47,8 @@ class LlamaModel:
         v0, v1 = shard.vocab_range
         self.vocab_start, self.vocab_end = v0, v1
         self.grouped = arch.is_moe and use_grouped_mm(dtype, weights.embed.device)
+        self.fused = DecodeLayers.of(arch, weights.layers, shard.heads, shard.kv_heads, group.size, self.scale, dtype,
+                                     weights.embed.device)  # a decode step's layers in two calls each, on the CPU
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -66,15 +69,22 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, rd)
         sin = self.sin[positions].unsqueeze(1)
         selection = None  # MLA's sparse attention: the tokens the last indexer chose, for "shared" layers
+        fused = self.fused is not None and self.fused.runs(x, meta, kv)
         for i, lw in enumerate(self.w.layers):
-            h = rms_norm(x, lw.input_norm, eps, offset)
-            if lw.la_qkv is not None:
-                mixed = deltanet_mixer(h, lw, sh, segments, kv.view("conv", i), kv.view("ssm", i))
-            elif self.mla is not None:
-                mixed, selection = self.mla.forward(h, lw, i, cos, sin, meta, kv, selection)
+            if fused and self.fused.attention[i]:
+                self.fused.attend(x, lw, i, cos, sin, meta, kv)  # x += the block, in one call
             else:
-                mixed = self.attention(h, lw, i, cos, sin, meta, kv)
-            x = x + self.group.all_reduce(mixed)
+                h = rms_norm(x, lw.input_norm, eps, offset)
+                if lw.la_qkv is not None:
+                    mixed = deltanet_mixer(h, lw, sh, segments, kv.view("conv", i), kv.view("ssm", i))
+                elif self.mla is not None:
+                    mixed, selection = self.mla.forward(h, lw, i, cos, sin, meta, kv, selection)
+                else:
+                    mixed = self.attention(h, lw, i, cos, sin, meta, kv)
+                x = x + self.group.all_reduce(mixed)
+            if fused and self.fused.mlp[i]:
+                self.fused.mlp_block(x, lw)
+                continue
             h = rms_norm(x, lw.post_norm, eps, offset)
             if lw.router is not None:
                 mlp = moe_mlp(h, lw, arch, self.grouped)  # (T, H), partial over ranks

@@ -1,0 +1,90 @@
+"""A decode step's layers in two kernel calls each (talaria/executor/decode_layer.py) against the torch
+path they replace: every fused step of a real engine run is computed both ways, float32, and the
+hidden states and the keys and values written must agree to float32 rounding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from talaria.config.schema import ModelConfig, SyntheticShape
+from talaria.contracts.call import SamplingParams
+from talaria.executor import cpu_kernels
+from talaria.executor.llama import LlamaModel
+from talaria.models.source import prepare_model
+from tests.tiny_models import call, engine, run, tokens
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="Talaria's CPU kernels do not run here")
+
+SHAPES = {  # each a part of the block: biases, q/k norms, 3 query heads a KV head, a hidden size past 16s, MoE
+    "llama": SyntheticShape(family="llama"),
+    "qwen2": SyntheticShape(family="qwen2", tie_word_embeddings=True),
+    "qwen3": SyntheticShape(family="qwen3", head_dim=32),
+    "odd widths": SyntheticShape(family="llama", hidden_size=72, intermediate_size=100, num_heads=3, num_kv_heads=1,
+                                 head_dim=48),
+    "moe every 2nd": SyntheticShape(family="qwen3_moe", head_dim=32, decoder_sparse_step=2, num_layers=4),
+}
+SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def both_ways(monkeypatch) -> list[int]:
+    """Every fused decode step runs the torch path first, then the fused one, whose result goes on;
+    asserts they agree. Returns each fused step's token count."""
+    fused_steps = []
+    forward = LlamaModel.forward
+
+    def twice(self, input_ids, positions, meta, kv, segments=None):
+        if self.fused is None or not self.fused.runs(input_ids, meta, kv):
+            return forward(self, input_ids, positions, meta, kv, segments)
+        layers = [i for i, a in enumerate(self.fused.attention) if a]
+        where = (meta.write_pages, meta.write_offsets)
+        monkeypatch.setattr(cpu_kernels, "DECODE_LAYERS", False)
+        plain = forward(self, input_ids, positions, meta, kv, segments)
+        written = [tuple(c[where].clone() for c in kv.layer(i)) for i in layers]
+        for i in layers:  # the fused path must write them itself
+            for c in kv.layer(i):
+                c[where] = float("nan")
+        monkeypatch.setattr(cpu_kernels, "DECODE_LAYERS", True)
+        fused = forward(self, input_ids, positions, meta, kv, segments)
+        torch.testing.assert_close(fused, plain, rtol=2e-5, atol=2e-5)
+        for i, (k, v) in zip(layers, written, strict=True):
+            k_cache, v_cache = kv.layer(i)
+            torch.testing.assert_close(k_cache[where], k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v_cache[where], v, rtol=1e-5, atol=1e-5)
+        fused_steps.append(len(input_ids))
+        return fused
+
+    monkeypatch.setattr(LlamaModel, "forward", twice)
+    return fused_steps
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fused_decode_steps_equal_the_torch_path(shape, model_cache, monkeypatch):
+    files = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float32", seed=3,
+                                      shape=SHAPES[shape]), None, model_cache)
+    fused_steps = both_ways(monkeypatch)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 3, 4, 5, 9, 17, 30, 2)]
+    calls = [call(str(i), "tiny", p, SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(prompts)]
+    core = engine([files], page_size=4)
+    outs = run(core, calls)  # 8 decode together, then fewer as they finish
+    assert all(len(tokens(outs[c.request_id])) == c.sampling.max_tokens for c in calls)
+    assert 8 in fused_steps and 1 in fused_steps and len(set(fused_steps)) >= 5, fused_steps
+    model = core.executor.substrate.model
+    assert any(model.fused.attention) and (shape != "moe every 2nd" or model.fused.mlp == [True, False] * 2)
+
+
+def test_steps_and_models_it_leaves_to_torch(model_cache, monkeypatch):
+    """A step of more than 8 decodes, or with a prompt chunk, and a float64 model run the torch path."""
+    files = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float32", seed=3,
+                                      shape=SHAPES["llama"]), None, model_cache)
+    fused_steps = both_ways(monkeypatch)
+    calls = [call(str(i), "tiny", [i + 1] * (i + 2), SAMPLING) for i in range(10)]
+    run(engine([files], page_size=4), calls)
+    assert fused_steps and max(fused_steps) <= 8  # 10 decode together at first: torch
+    double = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float64", seed=3,
+                                       shape=SHAPES["llama"]), None, model_cache)
+    assert engine([double], page_size=4).executor.substrate.model.fused is None
