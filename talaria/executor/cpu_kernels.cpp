@@ -38,7 +38,7 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
   const PagedKV kv{kc, vc, k_page, k_token, v_page, v_token, ps};
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> s;
+    Floats s;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * nkv; ++task) {
       const int64_t b = task / nkv, h = task % nkv, first = (b * nh + h * g) * hd;
@@ -46,15 +46,6 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
     }
   }
   return 0;
-}
-
-// One expert over m <= 8 rows: x (m, H) -> y (m, H) = (silu(x Wg^T) * x Wu^T) Wd^T, with gate_up (2I, H)
-// and down (H, I) its weights; gu (8, 2I) and act (8, I) the caller's scratch.
-static void expert(const float* x, int64_t m, const float* gate_up, const float* down, float* gu, float* act,
-                   float* y, int64_t H, int64_t I, int64_t pf) {
-  block_any(m, x, gate_up, nullptr, gu, 0, 2 * I, 2 * I, H, pf);
-  silu_mul(gu, act, m, I);
-  block_any(m, act, down, nullptr, y, 0, H, H, I, pf);
 }
 
 // One MoE layer's routed experts, each over its assignments: x (A, H) grouped by expert, counts[e]
@@ -66,7 +57,7 @@ extern "C" int talaria_moe_experts(const float* x, const float* gate_up, const f
   for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> gu(8 * 2 * I), act(8 * I);
+    Floats gu(8 * 2 * I), act(8 * I);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < E; ++e)
       for (int64_t r = start[e]; r < start[e + 1]; r += 8)
@@ -76,58 +67,9 @@ extern "C" int talaria_moe_experts(const float* x, const float* gate_up, const f
   return 0;
 }
 
-// A whole MoE layer (its routed experts) on T <= 8 tokens, routing included: each token's k best
-// experts by router logit (logits (T, E); the softmax keeps their order, the earlier expert first among
-// equals), weighted by their softmax probabilities, renormalised over the k when `norm`; each chosen
-// expert one task over its tokens; out (T, H) = the sum over a token's experts, in rank order, of
-// weight * expert(x). Where the torch path makes a dozen calls around the experts: routing, sorting
-// the assignments by expert, gathering their rows, scattering the results back, the weighted sum.
+// A whole MoE layer (its routed experts) on T <= 8 tokens, routing included (`routed_experts`).
 extern "C" int talaria_moe_routed(const float* logits, const float* x, const float* gate_up, const float* down,
                                   float* out, int64_t T, int64_t E, int64_t k, int norm, int64_t H, int64_t I,
                                   int64_t pf, int threads) {
-  if (T < 1 || T > 8 || k < 1 || k > E) return -1;
-  std::vector<int64_t> chosen(T * k), count(E, 0), rows(E * 8), used;  // rows: expert e's assignments t * k + j
-  std::vector<float> weight(T * k);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* l = logits + t * E;
-    float top = l[0], sum = 0.0f, picked = 0.0f;
-    for (int64_t e = 1; e < E; ++e) top = std::max(top, l[e]);
-    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - top);
-    int64_t* c = chosen.data() + t * k;
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < E; ++e)
-        if (std::find(c, c + j, e) == c + j && (best < 0 || l[e] > l[best])) best = e;
-      c[j] = best;
-      weight[t * k + j] = std::exp(l[best] - top) / sum;
-      picked += weight[t * k + j];
-      if (count[best] == 0) used.push_back(best);
-      rows[best * 8 + count[best]++] = t * k + j;  // a token picks an expert once: at most T <= 8 rows
-    }
-    for (int64_t j = 0; j < k && norm; ++j) weight[t * k + j] /= picked;
-  }
-  std::vector<float> ya(T * k * H);  // each assignment's expert output
-  const int64_t U = (int64_t)used.size();
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> xe(8 * H), gu(8 * 2 * I), act(8 * I), ye(8 * H);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < U; ++u) {
-      const int64_t e = used[u], m = count[e];
-      for (int64_t i = 0; i < m; ++i) std::copy_n(x + rows[e * 8 + i] / k * H, H, xe.data() + i * H);
-      expert(xe.data(), m, gate_up + e * 2 * I * H, down + e * H * I, gu.data(), act.data(), ye.data(), H, I, pf);
-      for (int64_t i = 0; i < m; ++i) std::copy_n(ye.data() + i * H, H, ya.data() + rows[e * 8 + i] * H);
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < H; d += 16) {
-        const __mmask16 live = lanes(H - d);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; ++j)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(weight[t * k + j]),
-                                _mm512_maskz_loadu_ps(live, ya.data() + (t * k + j) * H + d), acc);
-        _mm512_mask_storeu_ps(out + t * H + d, live, acc);
-      }
-  }
-  return 0;
+  return routed_experts(logits, x, gate_up, down, out, T, E, k, norm, H, I, pf, threads);
 }

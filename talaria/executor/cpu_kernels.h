@@ -1,11 +1,22 @@
 // The inner parts Talaria's CPU kernels share (cpu_kernels.cpp, decode_layer.cpp): the small-row
-// product, the vectorised exp, silu(gate) * up, and one sequence's attention over its paged K/V.
+// product, the vectorised exp, silu(gate) * up, one sequence's attention over its paged K/V, and a
+// decode step's routed MoE experts.
 #pragma once
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+// Scratch of floats on whole cache lines (64-byte aligned): a product's vector loads from it never
+// straddle two lines, which costs them half their speed.
+struct Floats {
+  struct alignas(64) Line { float f[16]; };
+  std::vector<Line> lines;
+  explicit Floats(int64_t n = 0) : lines((n + 15) / 16) {}
+  void resize(int64_t n) { lines.resize((n + 15) / 16); }
+  float* data() { return lines.data()->f; }
+};
 
 // The lanes of a 16-float vector that hold elements when `left` of them remain.
 static inline __mmask16 lanes(int64_t left) {
@@ -29,16 +40,22 @@ static void block(const float* x, const float* w, const float* bias, float* y, i
     const float* wr[R];
     for (int r = 0; r < R; ++r) wr[r] = w + (n + std::min(r, r_here - 1)) * K;
     const bool fetch = pf > 0 && n + pf + R <= N;
-    for (int64_t k = 0; k <= K16; k += 16) {
-      if (k == K16 && !tail) break;
-      __m512 wv[R];
+    // the whole vectors, then the tail: plain loops keep the accumulators in registers; each step
+    // loads the tokens' vectors once, then each weight row's
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        wv[r] = k < K16 ? _mm512_loadu_ps(wr[r] + k) : _mm512_maskz_loadu_ps(tail, wr[r] + k);
+        const __m512 wv = _mm512_loadu_ps(wr[r] + k);
         if (fetch) _mm_prefetch((const char*)(wr[r] + pf * K + k), _MM_HINT_T0);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
       }
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = k < K16 ? _mm512_loadu_ps(x + m * K + k) : _mm512_maskz_loadu_ps(tail, x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+    if (tail) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 wv = _mm512_maskz_loadu_ps(tail, wr[r] + K16);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + m * K + K16), acc[r][m]);
       }
     }
     for (int r = 0; r < r_here; ++r)
@@ -106,7 +123,7 @@ struct PagedKV {
 // in page pg[t / ps] -> out (g, hd): each head's scores over the context, their softmax (the
 // vectorised exp), the values weighted by it. hd a multiple of 16 up to 256; `s` is scratch.
 static void attend(const float* q, const PagedKV& kv, const int64_t* pg, int64_t n, int64_t h, int64_t g,
-                   int64_t hd, float scale, float* out, std::vector<float>& s) {
+                   int64_t hd, float scale, float* out, Floats& s) {
   const int64_t V = hd / 16, n16 = (n + 15) / 16 * 16, ps = kv.ps;
   s.resize(g * n16);
   for (int64_t j = 0; j < g; ++j) {
@@ -138,4 +155,71 @@ static void attend(const float* q, const PagedKV& kv, const int64_t* pg, int64_t
     }
     for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(acc[v], inv));
   }
+}
+
+// One expert over m <= 8 rows: x (m, H) -> y (m, H) = (silu(x Wg^T) * x Wu^T) Wd^T, with gate_up (2I, H)
+// and down (H, I) its weights; gu (8, 2I) and act (8, I) the caller's scratch.
+static void expert(const float* x, int64_t m, const float* gate_up, const float* down, float* gu, float* act,
+                   float* y, int64_t H, int64_t I, int64_t pf) {
+  block_any(m, x, gate_up, nullptr, gu, 0, 2 * I, 2 * I, H, pf);
+  silu_mul(gu, act, m, I);
+  block_any(m, act, down, nullptr, y, 0, H, H, I, pf);
+}
+
+// A whole MoE layer (its routed experts) on T <= 8 tokens, routing included: each token's k best
+// experts by router logit (logits (T, E); the softmax keeps their order, the earlier expert first among
+// equals), weighted by their softmax probabilities, renormalised over the k when `norm`; each chosen
+// expert one task over its tokens; out (T, H) = the sum over a token's experts, in rank order, of
+// weight * expert(x) (`add`: out += that sum). Where the torch path makes a dozen calls around the
+// experts: routing, sorting the assignments by expert, gathering their rows, scattering the results
+// back, the weighted sum.
+static int routed_experts(const float* logits, const float* x, const float* gate_up, const float* down, float* out,
+                          int64_t T, int64_t E, int64_t k, int norm, int64_t H, int64_t I, int64_t pf, int threads,
+                          bool add = false) {
+  if (T < 1 || T > 8 || k < 1 || k > E) return -1;
+  std::vector<int64_t> chosen(T * k), count(E, 0), rows(E * 8), used;  // rows: expert e's assignments t * k + j
+  std::vector<float> weight(T * k);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    float top = l[0], sum = 0.0f, picked = 0.0f;
+    for (int64_t e = 1; e < E; ++e) top = std::max(top, l[e]);
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - top);
+    int64_t* c = chosen.data() + t * k;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (std::find(c, c + j, e) == c + j && (best < 0 || l[e] > l[best])) best = e;
+      c[j] = best;
+      weight[t * k + j] = std::exp(l[best] - top) / sum;
+      picked += weight[t * k + j];
+      if (count[best] == 0) used.push_back(best);
+      rows[best * 8 + count[best]++] = t * k + j;  // a token picks an expert once: at most T <= 8 rows
+    }
+    for (int64_t j = 0; j < k && norm; ++j) weight[t * k + j] /= picked;
+  }
+  Floats ya(T * k * H);  // each assignment's expert output
+  const int64_t U = (int64_t)used.size();
+#pragma omp parallel num_threads(threads)
+  {
+    Floats xe(8 * H), gu(8 * 2 * I), act(8 * I), ye(8 * H);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t e = used[u], m = count[e];
+      for (int64_t i = 0; i < m; ++i) std::copy_n(x + rows[e * 8 + i] / k * H, H, xe.data() + i * H);
+      expert(xe.data(), m, gate_up + e * 2 * I * H, down + e * H * I, gu.data(), act.data(), ye.data(), H, I, pf);
+      for (int64_t i = 0; i < m; ++i) std::copy_n(ye.data() + i * H, H, ya.data() + rows[e * 8 + i] * H);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < H; d += 16) {
+        const __mmask16 live = lanes(H - d);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(weight[t * k + j]),
+                                _mm512_maskz_loadu_ps(live, ya.data() + (t * k + j) * H + d), acc);
+        if (add) acc = _mm512_add_ps(_mm512_maskz_loadu_ps(live, out + t * H + d), acc);
+        _mm512_mask_storeu_ps(out + t * H + d, live, acc);
+      }
+  }
+  return 0;
 }

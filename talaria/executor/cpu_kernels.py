@@ -25,9 +25,10 @@ slowly, the decode step's attention over the paged KV cache, and a decode step's
   the tokens' rows gathered per expert, and the weighted sum of their outputs. The torch path makes
   a dozen small calls for those (softmax, topk, argsort, bincount, gathers, a scatter, bmm).
 
-- `talaria_decode_attention` and `talaria_decode_mlp` (decode_layer.cpp): a decode step's attention
-  block and dense MLP block of a layer, each one call from the residual stream back into it, with
-  the parts above inside; talaria/executor/decode_layer.py calls them.
+- `talaria_decode_attention`, `talaria_decode_mlp` and `talaria_decode_moe` (decode_layer.cpp): a
+  decode step's attention block and MLP block (dense, or routed experts) of a layer, each one call
+  from the residual stream back into it, with the parts above inside; talaria/executor/decode_layer.py
+  calls them.
 
 All are plain C++ (cpu_kernels.h, cpu_kernels.cpp, decode_layer.cpp; no torch headers: they compile in
 a few seconds) called through ctypes, built once per machine with the system compiler (`$CXX`, g++
@@ -145,8 +146,10 @@ def library() -> ctypes.CDLL | None:
                                              _P, _P, _P, _P, _I64,  # where the new keys go, what each attends
                                              _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]
     lib.talaria_decode_mlp.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, ctypes.c_int]
+    lib.talaria_decode_moe.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _I64, _I64, ctypes.c_int,
+                                       _I64, _I64, ctypes.c_int]
     for fn in (lib.talaria_small_rows, lib.talaria_paged_decode, lib.talaria_moe_experts, lib.talaria_moe_routed,
-               lib.talaria_decode_attention, lib.talaria_decode_mlp):
+               lib.talaria_decode_attention, lib.talaria_decode_mlp, lib.talaria_decode_moe):
         fn.restype = ctypes.c_int
     _library = lib
     return lib

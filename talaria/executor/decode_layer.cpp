@@ -1,5 +1,5 @@
 // A decode step's decoder layer in two calls (talaria/executor/decode_layer.py): its attention block
-// and its dense MLP block, each from the residual stream back into it. Every stage runs inside one
+// and its MLP block (dense, or routed experts), each from the residual stream back into it. Every stage runs inside one
 // OpenMP team, parted by its barriers, where the torch path makes fifteen to twenty calls a layer,
 // each paying torch's dispatch and a wake of the thread pool (docs/engine-cpu.md).
 #include <omp.h>
@@ -58,7 +58,7 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
                                         int threads) {
   if (T < 1 || T > 8 || hd % 16 || hd > 256 || nh % nkv) return -1;
   const int64_t g = nh / nkv, heads = nh + nkv, width_qkv = (nh + 2 * nkv) * hd;
-  std::vector<float> h(T * H), qkv(T * width_qkv), attn(T * nh * hd);
+  Floats h(T * H), qkv(T * width_qkv), attn(T * nh * hd);
   const PagedKV kv{kc, vc, k_page, k_token, v_page, v_token, ps};
 #pragma omp parallel num_threads(threads)
   {
@@ -66,7 +66,7 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
     for (int64_t t = 0; t < T; ++t) rms_row(x + t * H, norm, h.data() + t * H, H, eps);
     team_product(T, h.data(), wqkv, bqkv, qkv.data(), width_qkv, H, pf, false);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * heads; ++task) {  // each query and key head: its norm, RoPE; keys and values to the cache
+    for (int64_t task = 0; task < T * heads; ++task) {  // each query and key head: norm, RoPE; K and V to the cache
       const int64_t t = task / heads, j = task % heads;
       float* head = qkv.data() + t * width_qkv + j * hd;
       const float* w = j < nh ? q_norm : k_norm;
@@ -77,7 +77,7 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
         std::copy_n(head + nkv * hd, hd, vc + write_page[t] * v_page + write_row[t] * v_token + (j - nh) * hd);
       }
     }
-    std::vector<float> s;
+    Floats s;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < T * nkv; ++task) {
       const int64_t t = task / nkv, k = task % nkv;
@@ -94,7 +94,7 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
 extern "C" int talaria_decode_mlp(float* x, int64_t T, int64_t H, const float* norm, float eps, const float* gate_up,
                                   const float* down, int64_t I, int64_t pf, int threads) {
   if (T < 1 || T > 8) return -1;
-  std::vector<float> h(T * H), gu(T * 2 * I), act(T * I);
+  Floats h(T * H), gu(T * 2 * I), act(T * I);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -105,4 +105,21 @@ extern "C" int talaria_decode_mlp(float* x, int64_t T, int64_t H, const float* n
     team_product(T, act.data(), down, nullptr, x, H, I, pf, true);
   }
   return 0;
+}
+
+// x (T, H) += the routed experts of rms_norm(x) for T <= 8 tokens (`routed_experts`, routing
+// included): norm (H) the norm's weight, router (E, H), each token's k best experts by softmax,
+// renormalised when `norm_topk`; gate_up (E, 2I, H), down (E, H, I).
+extern "C" int talaria_decode_moe(float* x, int64_t T, int64_t H, const float* norm, float eps, const float* router,
+                                  const float* gate_up, const float* down, int64_t E, int64_t k, int norm_topk,
+                                  int64_t I, int64_t pf, int threads) {
+  if (T < 1 || T > 8 || k < 1 || k > E) return -1;
+  Floats h(T * H), logits(T * E);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) rms_row(x + t * H, norm, h.data() + t * H, H, eps);
+    team_product(T, h.data(), router, nullptr, logits.data(), E, H, pf, false);
+  }
+  return routed_experts(logits.data(), h.data(), gate_up, down, x, T, E, k, norm_topk, H, I, pf, threads, true);
 }

@@ -9,9 +9,11 @@ into it:
 - attention: RMSNorm, the q/k/v product (its bias), each head's q/k norm (Qwen3) and RoPE, the
   keys and values written to their pages, each sequence's attention over its pages
   (cpu_kernels.h's `attend`, as `paged_decode`), the o product added to the residual;
-- a dense MLP: RMSNorm, gate+up, silu(gate) * up, down added to the residual.
+- the MLP: RMSNorm, then a dense one's gate+up, silu(gate) * up, down added to the residual; or
+  an MoE layer's router product and its routed experts, routing included (`cpu_kernels.moe_routed`'s
+  inner part), their weighted sum added to the residual.
 The products are the small-row kernel's (cpu_kernels.small_rows), the weights read where they lie in
-the arena. An MoE layer's MLP, a DeltaNet or MLA mixer, a gated or partly rotated attention, a
+the arena. A shared expert or sigmoid routing (DeepSeek-V3, GLM-5), a DeltaNet or MLA mixer, a gated or partly rotated attention, a
 zero-centred norm, quantized weights, tensor parallelism (an all-reduce inside the block) and any
 step with a prompt chunk or a shared-prefix batch run the torch path, which also stays the
 reference: the fused blocks compute the same float32 operations, in the same order where torch's
@@ -48,7 +50,18 @@ class DecodeLayers:
         self.attention = [plain_attention and lw.la_qkv is None
                           and _plain(lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o_proj)
                           for lw in layers]
-        self.mlp = [lw.router is None and _plain(lw.post_norm, lw.gate_up, lw.down) for lw in layers]
+        self.dense = [lw.router is None and _plain(lw.post_norm, lw.gate_up, lw.down) for lw in layers]
+        self.routed = [lw.router is not None and arch.router_scoring != "sigmoid" and lw.shared_gate_up is None
+                       and _plain(lw.post_norm, lw.router, lw.experts_gate_up, lw.experts_down)
+                       and lw.experts_gate_up.dim() == 3 for lw in layers]
+
+    @property
+    def mlp(self) -> list[bool]:
+        """Per layer, whether its MLP block runs fused: a dense one, or softmax-routed experts without a
+        shared expert while the MoE kernels run (`cpu_kernels.MOE_EXPERTS`: bench/engine.py counts the
+        experts a step reads with them off, routing in torch)."""
+        moe = cpu_kernels.MOE_EXPERTS
+        return [d or (r and moe) for d, r in zip(self.dense, self.routed, strict=True)]
 
     @classmethod
     def of(cls, arch: ModelArch, layers: list, heads: int, kv_heads: int, ranks: int, scale: float,
@@ -59,7 +72,7 @@ class DecodeLayers:
                 or cpu_kernels.library() is None):
             return None
         fused = cls(arch, layers, heads, kv_heads, scale)
-        return fused if any(fused.attention) or any(fused.mlp) else None
+        return fused if any(fused.attention) or any(fused.dense) or any(fused.routed) else None
 
     def runs(self, x: torch.Tensor, meta: AttentionMeta, kv: KVCache) -> bool:
         """Whether this step's layers run fused: a step of at most 8 decoding sequences and nothing
@@ -94,11 +107,20 @@ class DecodeLayers:
                              f"of width {self.arch.head_dim}: not a step it runs")
 
     def mlp_block(self, x: torch.Tensor, lw) -> None:
-        """x (T, H) += the layer's dense MLP block of x."""
+        """x (T, H) += the layer's MLP block of x: dense, or its routed experts, routing included."""
         T, H = x.shape
-        if cpu_kernels.library().talaria_decode_mlp(
-                x.data_ptr(), T, H, lw.post_norm.data_ptr(), self.arch.rms_norm_eps, lw.gate_up.data_ptr(),
-                lw.down.data_ptr(), lw.down.shape[1], cpu_kernels.PREFETCH_ROWS, torch.get_num_threads()):
+        lib, eps, pf, threads = cpu_kernels.library(), self.arch.rms_norm_eps, cpu_kernels.PREFETCH_ROWS, \
+            torch.get_num_threads()
+        if lw.router is None:
+            refused = lib.talaria_decode_mlp(x.data_ptr(), T, H, lw.post_norm.data_ptr(), eps, lw.gate_up.data_ptr(),
+                                             lw.down.data_ptr(), lw.down.shape[1], pf, threads)
+        else:
+            E, two_i, _ = lw.experts_gate_up.shape
+            refused = lib.talaria_decode_moe(x.data_ptr(), T, H, lw.post_norm.data_ptr(), eps, lw.router.data_ptr(),
+                                             lw.experts_gate_up.data_ptr(), lw.experts_down.data_ptr(), E,
+                                             self.arch.num_experts_per_tok, int(self.arch.norm_topk_prob),
+                                             two_i // 2, pf, threads)
+        if refused:
             raise ValueError(f"decode_mlp: {T} tokens, not 1 to {MAX_TOKENS}")
 
 

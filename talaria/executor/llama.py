@@ -69,10 +69,11 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, rd)
         sin = self.sin[positions].unsqueeze(1)
         selection = None  # MLA's sparse attention: the tokens the last indexer chose, for "shared" layers
-        fused = self.fused is not None and self.fused.runs(x, meta, kv)
+        fused = self.fused if self.fused is not None and self.fused.runs(x, meta, kv) else None
+        fused_mlp = fused.mlp if fused else None
         for i, lw in enumerate(self.w.layers):
-            if fused and self.fused.attention[i]:
-                self.fused.attend(x, lw, i, cos, sin, meta, kv)  # x += the block, in one call
+            if fused and fused.attention[i]:
+                fused.attend(x, lw, i, cos, sin, meta, kv)  # x += the block, in one call
             else:
                 h = rms_norm(x, lw.input_norm, eps, offset)
                 if lw.la_qkv is not None:
@@ -82,8 +83,8 @@ class LlamaModel:
                 else:
                     mixed = self.attention(h, lw, i, cos, sin, meta, kv)
                 x = x + self.group.all_reduce(mixed)
-            if fused and self.fused.mlp[i]:
-                self.fused.mlp_block(x, lw)
+            if fused and fused_mlp[i]:
+                fused.mlp_block(x, lw)
                 continue
             h = rms_norm(x, lw.post_norm, eps, offset)
             if lw.router is not None:

@@ -25,6 +25,7 @@ SHAPES = {  # each a part of the block: biases, q/k norms, 3 query heads a KV he
     "odd widths": SyntheticShape(family="llama", hidden_size=72, intermediate_size=100, num_heads=3, num_kv_heads=1,
                                  head_dim=48),
     "moe every 2nd": SyntheticShape(family="qwen3_moe", head_dim=32, decoder_sparse_step=2, num_layers=4),
+    "moe, shared expert": SyntheticShape(family="qwen2_moe", num_experts=4),
 }
 SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -74,7 +75,10 @@ def test_fused_decode_steps_equal_the_torch_path(shape, model_cache, monkeypatch
     assert all(len(tokens(outs[c.request_id])) == c.sampling.max_tokens for c in calls)
     assert 8 in fused_steps and 1 in fused_steps and len(set(fused_steps)) >= 5, fused_steps
     model = core.executor.substrate.model
-    assert any(model.fused.attention) and (shape != "moe every 2nd" or model.fused.mlp == [True, False] * 2)
+    assert all(model.fused.attention)
+    dense, routed = {"moe every 2nd": ([True, False] * 2, [False, True] * 2),  # layers 1 and 3 are MoE
+                     "moe, shared expert": ([False] * 2, [False] * 2)}.get(shape, ([True] * 2, [False] * 2))
+    assert (model.fused.dense, model.fused.routed) == (dense, routed)
 
 
 def test_steps_and_models_it_leaves_to_torch(model_cache, monkeypatch):
