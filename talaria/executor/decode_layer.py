@@ -13,12 +13,13 @@ into it:
   an MoE layer's router product and its routed experts, routing included (`cpu_kernels.moe_routed`'s
   inner part), their weighted sum added to the residual.
 The products are the small-row kernel's (cpu_kernels.small_rows), the weights read where they lie in
-the arena. A shared expert or sigmoid routing (DeepSeek-V3, GLM-5), a DeltaNet or MLA mixer, a gated or partly rotated attention, a
-zero-centred norm, quantized weights, tensor parallelism (an all-reduce inside the block) and any
-step with a prompt chunk or a shared-prefix batch run the torch path, which also stays the
-reference: the fused blocks compute the same float32 operations, in the same order where torch's
-order is defined (each product rounded, then added to the residual; RoPE's two products, then their
-sum), and differ from it by summation order inside the dot products and norms only.
+the arena. A shared expert or sigmoid routing (DeepSeek-V3, GLM-5), a DeltaNet or MLA mixer, a gated
+or partly rotated attention, a zero-centred norm, quantized weights, tensor parallelism (an
+all-reduce inside the block) and any step with a prompt chunk or a shared-prefix batch run the torch
+path, which also stays the reference: the fused blocks compute the same float32 operations, in the
+same order where torch's order is defined (each product rounded, then added to the residual; RoPE's
+two products, then their sum), and differ from it by summation order inside the dot products and
+norms only.
 """
 
 from __future__ import annotations
