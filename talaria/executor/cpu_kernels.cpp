@@ -38,11 +38,11 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
   const PagedKV kv{kc, vc, k_page, k_token, v_page, v_token, ps};
 #pragma omp parallel num_threads(threads)
   {
-    Floats s;
+    Floats s, o;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * nkv; ++task) {
       const int64_t b = task / nkv, h = task % nkv, first = (b * nh + h * g) * hd;
-      attend(q + first, kv, pages + b * width, ctx[b], h, g, hd, scale, out + first, s);
+      attend(q + first, kv, Context{nullptr, pages + b * width, 0, ctx[b]}, h, g, hd, scale, out + first, s, o);
     }
   }
   return 0;

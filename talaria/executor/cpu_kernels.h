@@ -119,23 +119,49 @@ struct PagedKV {
   int64_t k_page, k_token, v_page, v_token, ps;
 };
 
-// The g query heads of KV head h, q (g, hd) contiguous, against one sequence's n >= 1 tokens, token t
-// in page pg[t / ps] -> out (g, hd): each head's scores over the context, their softmax (the
-// vectorised exp), the values weighted by it. hd a multiple of 16 up to 256; `s` is scratch.
-static void attend(const float* q, const PagedKV& kv, const int64_t* pg, int64_t n, int64_t h, int64_t g,
-                   int64_t hd, float scale, float* out, Floats& s) {
-  const int64_t V = hd / 16, n16 = (n + 15) / 16 * 16, ps = kv.ps;
+// One sequence's context in a paged cache, n tokens: its first `shared` (a whole number of pages; 0:
+// none) in pages sh[...], a prefix other sequences of its batch hold too, the rest in its own pages
+// pg[...].
+struct Context {
+  const int64_t *sh, *pg;
+  int64_t shared, n;
+};
+
+// f(t, row) for each token t of the context in order, `row` its head's K (or V) in `cache`: page by
+// page, with no division a token.
+template <class F>
+static inline void each_row(const float* cache, int64_t page_stride, int64_t token_stride, int64_t ps,
+                            const Context& c, int64_t head_offset, F&& f) {
+  for (int64_t t = 0, p = 0; t < c.n; ++p) {
+    const int64_t page = t < c.shared ? c.sh[p] : c.pg[p - c.shared / ps];
+    const float* row = cache + page * page_stride + head_offset;
+    for (const int64_t end = std::min(t + ps, c.n); t < end; ++t, row += token_stride) f(t, row);
+  }
+}
+
+// The g query heads of KV head h, q (g, hd) contiguous, against one sequence's context (n >= 1
+// tokens) -> out (g, hd): the heads' scores over the context, each K row read once for all of them;
+// each head's softmax (the vectorised exp); the values weighted by it, each V row read once. hd a
+// multiple of 16 up to 256; `s` and `o` are scratch.
+static void attend(const float* q, const PagedKV& kv, const Context& c, int64_t h, int64_t g, int64_t hd,
+                   float scale, float* out, Floats& s, Floats& o) {
+  const int64_t V = hd / 16, n = c.n, n16 = (n + 15) / 16 * 16;
   s.resize(g * n16);
-  for (int64_t j = 0; j < g; ++j) {
-    __m512 qv[16];
-    for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + j * hd + 16 * v);
-    float* sj = s.data() + j * n16;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kr = kv.k + pg[t / ps] * kv.k_page + (t % ps) * kv.k_token + h * hd;
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-      for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), acc);
-      sj[t] = _mm512_reduce_add_ps(acc) * scale;
+  o.resize(g * hd + g);  // each head's weighted values, then each head's 1 / (sum of its weights)
+  float* sc = s.data();
+  each_row(kv.k, kv.k_page, kv.k_token, kv.ps, c, h * hd, [&](int64_t t, const float* kr) {
+    __m512 k[16];
+    for (int64_t v = 0; v < V; ++v) k[v] = _mm512_loadu_ps(kr + 16 * v);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = q + j * hd;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), k[0]);
+      for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), k[v], acc);
+      sc[j * n16 + t] = _mm512_reduce_add_ps(acc) * scale;
     }
+  });
+  float *acc = o.data(), *inv = acc + g * hd;
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = sc + j * n16;
     float m = sj[0];
     for (int64_t t = 1; t < n; ++t) m = std::max(m, sj[t]);
     __m512 sum = _mm512_setzero_ps();
@@ -145,15 +171,23 @@ static void attend(const float* q, const PagedKV& kv, const int64_t* pg, int64_t
       sum = _mm512_mask_add_ps(sum, live, sum, e);
       _mm512_mask_storeu_ps(sj + t, live, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    __m512 acc[16];
-    for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const float* vr = kv.v + pg[t / ps] * kv.v_page + (t % ps) * kv.v_token + h * hd;
-      const __m512 p = _mm512_set1_ps(sj[t]);
-      for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * v), acc[v]);
+    inv[j] = 1.0f / _mm512_reduce_add_ps(sum);
+    std::fill_n(acc + j * hd, hd, 0.0f);
+  }
+  each_row(kv.v, kv.v_page, kv.v_token, kv.ps, c, h * hd, [&](int64_t t, const float* vr) {
+    __m512 val[16];
+    for (int64_t v = 0; v < V; ++v) val[v] = _mm512_loadu_ps(vr + 16 * v);
+    for (int64_t j = 0; j < g; ++j) {
+      const __m512 p = _mm512_set1_ps(sc[j * n16 + t]);
+      float* aj = acc + j * hd;
+      for (int64_t v = 0; v < V; ++v)
+        _mm512_store_ps(aj + 16 * v, _mm512_fmadd_ps(p, val[v], _mm512_load_ps(aj + 16 * v)));
     }
-    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(acc[v], inv));
+  });
+  for (int64_t j = 0; j < g; ++j) {
+    const __m512 r = _mm512_set1_ps(inv[j]);
+    for (int64_t v = 0; v < V; ++v)
+      _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc + j * hd + 16 * v), r));
   }
 }
 

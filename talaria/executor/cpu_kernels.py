@@ -143,7 +143,7 @@ def library() -> ctypes.CDLL | None:
                                        ctypes.c_int]
     lib.talaria_decode_attention.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P,  # x .. wo
                                              _P, _P, _I64, _I64, _I64, _I64, _I64,  # the caches
-                                             _P, _P, _P, _P, _I64,  # where the new keys go, what each attends
+                                             _P, _P, _P, _I64, _P, _P, _I64,  # where new keys go, what each attends
                                              _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]
     lib.talaria_decode_mlp.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, ctypes.c_int]
     lib.talaria_decode_moe.argtypes = [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _I64, _I64, ctypes.c_int,

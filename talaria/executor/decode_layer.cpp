@@ -46,16 +46,17 @@ static void team_product(int64_t M, const float* x, const float* w, const float*
 // of decoding sequence t: norm (H) the input norm's weight; wqkv ((nh + 2 nkv) hd, H) and its bias
 // bqkv (or null) the queries', keys' and values' rows; q_norm, k_norm (hd) each head's norm (or null);
 // cos, sin (T, hd) each token's RoPE rows; wo (H, nh hd). Token t's key and value are written to
-// page write_page[t], row write_row[t] of the cache before it attends: sequence t's ctx[t] tokens lie
-// in pages[t * width ...]. Query head j reads KV head j / (nh / nkv) (GQA).
+// page write_page[t], row write_row[t] of the cache before it attends: sequence t's context is the
+// batch's shared_tokens (0: none) in pages shared[...], then its own ctx[t] in pages[t * width ...].
+// Query head j reads KV head j / (nh / nkv) (GQA).
 extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const float* norm, float eps,
                                         const float* wqkv, const float* bqkv, const float* q_norm,
                                         const float* k_norm, const float* cos, const float* sin, const float* wo,
                                         float* kc, float* vc, int64_t k_page, int64_t k_token, int64_t v_page,
                                         int64_t v_token, int64_t ps, const int64_t* write_page,
-                                        const int64_t* write_row, const int64_t* pages, const int64_t* ctx,
-                                        int64_t width, int64_t nh, int64_t nkv, int64_t hd, float scale, int64_t pf,
-                                        int threads) {
+                                        const int64_t* write_row, const int64_t* shared, int64_t shared_tokens,
+                                        const int64_t* pages, const int64_t* ctx, int64_t width, int64_t nh,
+                                        int64_t nkv, int64_t hd, float scale, int64_t pf, int threads) {
   if (T < 1 || T > 8 || hd % 16 || hd > 256 || nh % nkv) return -1;
   const int64_t g = nh / nkv, heads = nh + nkv, width_qkv = (nh + 2 * nkv) * hd;
   Floats h(T * H), qkv(T * width_qkv), attn(T * nh * hd);
@@ -77,12 +78,13 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
         std::copy_n(head + nkv * hd, hd, vc + write_page[t] * v_page + write_row[t] * v_token + (j - nh) * hd);
       }
     }
-    Floats s;
+    Floats s, o;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < T * nkv; ++task) {
-      const int64_t t = task / nkv, k = task % nkv;
-      attend(qkv.data() + t * width_qkv + k * g * hd, kv, pages + t * width, ctx[t], k, g, hd, scale,
-             attn.data() + (t * nh + k * g) * hd, s);
+    for (int64_t task = 0; task < T * nkv; ++task) {  // a KV head's sequences in turn: a shared prefix stays in cache
+      const int64_t k = task / T, t = task % T;
+      const Context c{shared, pages + t * width, shared_tokens, shared_tokens + ctx[t]};
+      attend(qkv.data() + t * width_qkv + k * g * hd, kv, c, k, g, hd, scale, attn.data() + (t * nh + k * g) * hd,
+             s, o);
     }
     team_product(T, attn.data(), wo, nullptr, x, H, nh * hd, pf, true);
   }

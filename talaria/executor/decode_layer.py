@@ -7,19 +7,20 @@ wrapper, silu, adds), each 30-50 us there, several times what it costs alone (do
 "One call a block"). Here a layer is two calls, each one OpenMP team from the residual stream back
 into it:
 - attention: RMSNorm, the q/k/v product (its bias), each head's q/k norm (Qwen3) and RoPE, the
-  keys and values written to their pages, each sequence's attention over its pages
-  (cpu_kernels.h's `attend`, as `paged_decode`), the o product added to the residual;
+  keys and values written to their pages, each sequence's attention over its pages (cpu_kernels.h's
+  `attend`, as `paged_decode`; a prefix the batch shares is read in place, the sequences of a KV head
+  in turn, so it is read from the cache after the first), the o product added to the residual;
 - the MLP: RMSNorm, then a dense one's gate+up, silu(gate) * up, down added to the residual; or
   an MoE layer's router product and its routed experts, routing included (`cpu_kernels.moe_routed`'s
   inner part), their weighted sum added to the residual.
 The products are the small-row kernel's (cpu_kernels.small_rows), the weights read where they lie in
 the arena. A shared expert or sigmoid routing (DeepSeek-V3, GLM-5), a DeltaNet or MLA mixer, a gated
 or partly rotated attention, a zero-centred norm, quantized weights, tensor parallelism (an
-all-reduce inside the block) and any step with a prompt chunk or a shared-prefix batch run the torch
-path, which also stays the reference: the fused blocks compute the same float32 operations, in the
-same order where torch's order is defined (each product rounded, then added to the residual; RoPE's
-two products, then their sum), and differ from it by summation order inside the dot products and
-norms only.
+all-reduce inside the block) and any step with a prompt chunk or several decode batches run the
+torch path, which also stays the reference: the fused blocks compute the same float32 operations,
+in the same order where torch's order is defined (each product rounded, then added to the residual;
+RoPE's two products, then their sum), and differ from it by summation order inside the dot
+products, norms and softmax only.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class DecodeLayers:
 
     def runs(self, x: torch.Tensor, meta: AttentionMeta, kv: KVCache) -> bool:
         """Whether this step's layers run fused: a step of at most 8 decoding sequences and nothing
-        else, one batch without a shared prefix, the caches' heads contiguous."""
+        else, one batch (with a shared prefix or not), the caches' heads contiguous."""
         if not (cpu_kernels.DECODE_LAYERS and x.shape[0] <= MAX_TOKENS and not meta.prefills
-                and len(meta.decodes) == 1 and meta.decodes[0].shared is None):
+                and len(meta.decodes) == 1):
             return False
         first = next((i for i, a in enumerate(self.attention) if a), None)
         if first is None:
@@ -96,12 +97,14 @@ class DecodeLayers:
         k_cache, v_cache = kv.layer(layer)
         T, H = x.shape
         ptr = _pointer
+        shared_tokens = 0 if d.shared is None else d.shared.numel() * k_cache.shape[1]
         refused = cpu_kernels.library().talaria_decode_attention(
             x.data_ptr(), T, H, lw.input_norm.data_ptr(), self.arch.rms_norm_eps, lw.qkv.data_ptr(),
             ptr(lw.qkv_bias), ptr(lw.q_norm), ptr(lw.k_norm), cos.data_ptr(), sin.data_ptr(), lw.o_proj.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), k_cache.shape[1], meta.write_pages.data_ptr(), meta.write_offsets.data_ptr(),
-            d.pages.data_ptr(), d.lengths.data_ptr(), d.pages.numel() // d.batch, self.heads, self.kv_heads,
+            ptr(d.shared), shared_tokens, d.pages.data_ptr(), d.lengths.data_ptr(), d.pages.numel() // d.batch,
+            self.heads, self.kv_heads,
             self.arch.head_dim, self.scale, cpu_kernels.PREFETCH_ROWS, torch.get_num_threads())
         if refused:
             raise ValueError(f"decode_attention: {T} tokens of {self.heads} heads over {self.kv_heads} KV heads "

@@ -30,9 +30,9 @@ SHAPES = {  # each a part of the block: biases, q/k norms, 3 query heads a KV he
 SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def both_ways(monkeypatch) -> list[int]:
+def both_ways(monkeypatch) -> list[tuple[int, bool]]:
     """Every fused decode step runs the torch path first, then the fused one, whose result goes on;
-    asserts they agree. Returns each fused step's token count."""
+    asserts they agree. Returns each fused step's token count and whether its batch shares a prefix."""
     fused_steps = []
     forward = LlamaModel.forward
 
@@ -54,7 +54,7 @@ def both_ways(monkeypatch) -> list[int]:
             k_cache, v_cache = kv.layer(i)
             torch.testing.assert_close(k_cache[where], k, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v_cache[where], v, rtol=1e-5, atol=1e-5)
-        fused_steps.append(len(input_ids))
+        fused_steps.append((len(input_ids), meta.decodes[0].shared is not None))
         return fused
 
     monkeypatch.setattr(LlamaModel, "forward", twice)
@@ -73,7 +73,8 @@ def test_fused_decode_steps_equal_the_torch_path(shape, model_cache, monkeypatch
     core = engine([files], page_size=4)
     outs = run(core, calls)  # 8 decode together, then fewer as they finish
     assert all(len(tokens(outs[c.request_id])) == c.sampling.max_tokens for c in calls)
-    assert 8 in fused_steps and 1 in fused_steps and len(set(fused_steps)) >= 5, fused_steps
+    counts = {t for t, _ in fused_steps}
+    assert 8 in counts and 1 in counts and len(counts) >= 5, fused_steps
     model = core.executor.substrate.model
     assert all(model.fused.attention)
     dense, routed = {"moe every 2nd": ([True, False] * 2, [False, True] * 2),  # layers 1 and 3 are MoE
@@ -88,7 +89,22 @@ def test_steps_and_models_it_leaves_to_torch(model_cache, monkeypatch):
     fused_steps = both_ways(monkeypatch)
     calls = [call(str(i), "tiny", [i + 1] * (i + 2), SAMPLING) for i in range(10)]
     run(engine([files], page_size=4), calls)
-    assert fused_steps and max(fused_steps) <= 8  # 10 decode together at first: torch
+    assert fused_steps and max(t for t, _ in fused_steps) <= 8  # 10 decode together at first: torch
     double = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float64", seed=3,
                                        shape=SHAPES["llama"]), None, model_cache)
     assert engine([double], page_size=4).executor.substrate.model.fused is None
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen3"])
+def test_a_batch_sharing_a_cached_prefix_reads_it_in_place(shape, model_cache, monkeypatch):
+    """Calls reusing one prompt's pages decode as a batch with a shared part (attention.py): fused, the
+    prefix read in place for each sequence, as the torch path's one read for all."""
+    files = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float32", seed=3,
+                                      shape=SHAPES[shape]), None, model_cache)
+    fused_steps = both_ways(monkeypatch)
+    core = engine([files], page_size=4)
+    prompt = [random.Random(1).randrange(256) for _ in range(40)]
+    run(core, [call("first", "tiny", prompt, SAMPLING)])  # its pages cached
+    outs = run(core, [call(str(i), "tiny", prompt + [i + 1, i + 2], SAMPLING) for i in range(5)])
+    assert all(outs[str(i)][-1].usage.cached_tokens >= 40 for i in range(5))
+    assert sum(shared for _, shared in fused_steps) >= SAMPLING.max_tokens - 2, fused_steps
