@@ -41,8 +41,9 @@ extern "C" int talaria_paged_decode(const float* q, const float* kc, const float
     Floats s, o;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * nkv; ++task) {
-      const int64_t b = task / nkv, h = task % nkv, first = (b * nh + h * g) * hd;
-      attend(q + first, kv, Context{nullptr, pages + b * width, 0, ctx[b]}, h, g, hd, scale, out + first, s, o);
+      const int64_t b = task / nkv, h = task % nkv;
+      attend(Group{q + b * nh * hd, out + b * nh * hd, 0, 0, nullptr, pages + b * width, ctx + b, 0, width, 1}, kv, h,
+             g, hd, scale, s, o);
     }
   }
   return 0;

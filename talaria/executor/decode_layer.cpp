@@ -78,13 +78,16 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
         std::copy_n(head + nkv * hd, hd, vc + write_page[t] * v_page + write_row[t] * v_token + (j - nh) * hd);
       }
     }
+    // a task a KV head and a sequence; with a shared prefix, a KV head and a group of sequences, each
+    // group reading the prefix once, as few groups as keep the threads busy
+    const int64_t parts = shared_tokens ? std::min<int64_t>(T, (2 * omp_get_num_threads() + nkv - 1) / nkv) : T;
     Floats s, o;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < T * nkv; ++task) {  // a KV head's sequences in turn: a shared prefix stays in cache
-      const int64_t k = task / T, t = task % T;
-      const Context c{shared, pages + t * width, shared_tokens, shared_tokens + ctx[t]};
-      attend(qkv.data() + t * width_qkv + k * g * hd, kv, c, k, g, hd, scale, attn.data() + (t * nh + k * g) * hd,
-             s, o);
+    for (int64_t task = 0; task < nkv * parts; ++task) {
+      const int64_t k = task / parts, p = task % parts, i0 = T * p / parts, i1 = T * (p + 1) / parts;
+      const Group group{qkv.data() + i0 * width_qkv, attn.data() + i0 * nh * hd, width_qkv, nh * hd, shared,
+                        pages + i0 * width, ctx + i0, shared_tokens, width, i1 - i0};
+      attend(group, kv, k, g, hd, scale, s, o);
     }
     team_product(T, attn.data(), wo, nullptr, x, H, nh * hd, pf, true);
   }
