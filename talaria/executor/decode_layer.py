@@ -8,8 +8,8 @@ wrapper, silu, adds), each 30-50 us there, several times what it costs alone (do
 into it:
 - attention: RMSNorm, the q/k/v product (its bias), each head's q/k norm (Qwen3) and RoPE, the
   keys and values written to their pages, each sequence's attention over its pages (cpu_kernels.h's
-  `attend`, as `paged_decode`; a prefix the batch shares is read in place, the sequences of a KV head
-  in turn, so it is read from the cache after the first), the o product added to the residual;
+  `attend`, as `paged_decode`; a prefix the batch shares is read in place, once for each group of
+  sequences a task runs), the o product added to the residual;
 - the MLP: RMSNorm, then a dense one's gate+up, silu(gate) * up, down added to the residual; or
   an MoE layer's router product and its routed experts, routing included (`cpu_kernels.moe_routed`'s
   inner part), their weighted sum added to the residual.
