@@ -30,9 +30,10 @@ slowly, the decode step's attention over the paged KV cache, and a decode step's
   from the residual stream back into it, with the parts above inside; talaria/executor/decode_layer.py
   calls them.
 
-All are plain C++ (cpu_kernels.h, cpu_kernels.cpp, decode_layer.cpp; no torch headers: they compile in
-a few seconds) called through ctypes, built once per machine with the system compiler (`$CXX`, g++
-or c++) into `$TALARIA_CACHE_DIR/kernels/`, under a file lock, so ranks starting together build them
+All are plain C++ (no torch headers), a source a family (small_rows.cpp, paged_attention.cpp,
+moe_kernels.cpp, decode_layer.cpp, sharing cpu_kernels.h), called through ctypes, built once per
+machine with the system compiler (`$CXX`, g++ or c++; the sources side by side, a few seconds) into
+`$TALARIA_CACHE_DIR/kernels/`, under a file lock, so ranks starting together build them
 once. The library links torch's libgomp by its rpath, so its OpenMP threads are torch's. A CPU
 without AVX-512 (as torch's own kernels see it), no compiler, a failed build, or
 `TALARIA_CPU_KERNELS=0` leaves them out: `small_rows` raises `NotImplementedError` (the dispatch's
@@ -72,8 +73,8 @@ PAGED_DECODE = MOE_EXPERTS = DECODE_LAYERS = True
 FLAGS = ("-O3", "-mavx512f", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 # the C++ (no torch headers), read once: the library is built from this text, whatever the files become
-SOURCES = {name: (Path(__file__).parent / name).read_text()
-           for name in ("cpu_kernels.h", "cpu_kernels.cpp", "decode_layer.cpp")}
+SOURCES = {name: (Path(__file__).parent / name).read_text() for name in (
+    "cpu_kernels.h", "small_rows.cpp", "paged_attention.cpp", "moe_kernels.cpp", "decode_layer.cpp")}
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _library: ctypes.CDLL | None = None
@@ -106,14 +107,24 @@ def build(folder: Path | None = None) -> Path:
             (src / name).write_text(text)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         log.info("building Talaria's CPU kernels (%s, once per machine)", cxx)
-        units = [str(src / name) for name in SOURCES if name.endswith(".cpp")]
-        done = subprocess.run([cxx, *FLAGS, *units, f"-Wl,-rpath,{torch_lib}", "-o", str(tmp)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode:
-            failed.write_text(f"{cxx}: exit {done.returncode}\n{done.stderr}")
-            raise OSError(f"{cxx} could not build it:\n{done.stderr[-2000:]}")
+        objects = {src / name: src / f"{name}.o" for name in SOURCES if name.endswith(".cpp")}
+        code, errors = _run_all([[cxx, *FLAGS, "-c", str(unit), "-o", str(obj)] for unit, obj in objects.items()])
+        if not code:
+            code, errors = _run_all([[cxx, *FLAGS, *map(str, objects.values()), f"-Wl,-rpath,{torch_lib}", "-o",
+                                      str(tmp)]])
+        if code:
+            failed.write_text(f"{cxx}: exit {code}\n{errors}")
+            raise OSError(f"{cxx} could not build it:\n{errors[-2000:]}")
         os.replace(tmp, out)
     return out
+
+
+def _run_all(commands: list[list[str]]) -> tuple[int, str]:
+    """Run the commands side by side (a compiler a source, on as many cores); the first failure's
+    exit code (0: none) and their error output."""
+    runs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
+    errors = "".join(r.communicate()[1] for r in runs)
+    return next((r.returncode for r in runs if r.returncode), 0), errors
 
 
 def library() -> ctypes.CDLL | None:
