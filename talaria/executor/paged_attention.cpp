@@ -96,13 +96,18 @@ static void attend_v(const Group& G, const PagedKV& kv, int64_t h, int64_t g, in
       for (int v = 0; v < V; ++v) _mm512_store_ps(a + 16 * v, av[v]);
     }
   };
-  in_chunks(kv.k, kv.k_page, kv.k_token, kv.ps, G.sh, G.shared, off,
-            [&](int64_t first, const float* const* rows, int64_t count) { scores(0, Q, first, rows, count); });
-  for (int64_t i = 0; i < G.m; ++i)
-    in_chunks(kv.k, kv.k_page, kv.k_token, kv.ps, G.pages + i * G.width, G.own[i], off,
-              [&](int64_t first, const float* const* rows, int64_t count) {
-                scores(i * g, (i + 1) * g, G.shared + first, rows, count);
-              });
+  // f(r0, r1, first, rows, count) over the group's context in runs of up to 64 tokens: the shared
+  // prefix's for every query, then each sequence's own tokens for its g queries
+  auto walk = [&](const float* cache, int64_t page_stride, int64_t token_stride, auto&& f) {
+    in_chunks(cache, page_stride, token_stride, kv.ps, G.sh, G.shared, off,
+              [&](int64_t first, const float* const* rows, int64_t count) { f(0, Q, first, rows, count); });
+    for (int64_t i = 0; i < G.m; ++i)
+      in_chunks(cache, page_stride, token_stride, kv.ps, G.pages + i * G.width, G.own[i], off,
+                [&](int64_t first, const float* const* rows, int64_t count) {
+                  f(i * g, (i + 1) * g, G.shared + first, rows, count);
+                });
+  };
+  walk(kv.k, kv.k_page, kv.k_token, scores);
   for (int64_t r = 0; r < Q; ++r) {
     const int64_t n = G.shared + G.own[r / g];
     float* sr = sc + r * n16;
@@ -118,13 +123,7 @@ static void attend_v(const Group& G, const PagedKV& kv, int64_t h, int64_t g, in
     inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
     std::fill_n(acc + r * hd, hd, 0.0f);
   }
-  in_chunks(kv.v, kv.v_page, kv.v_token, kv.ps, G.sh, G.shared, off,
-            [&](int64_t first, const float* const* rows, int64_t count) { values(0, Q, first, rows, count); });
-  for (int64_t i = 0; i < G.m; ++i)
-    in_chunks(kv.v, kv.v_page, kv.v_token, kv.ps, G.pages + i * G.width, G.own[i], off,
-              [&](int64_t first, const float* const* rows, int64_t count) {
-                values(i * g, (i + 1) * g, G.shared + first, rows, count);
-              });
+  walk(kv.v, kv.v_page, kv.v_token, values);
   for (int64_t r = 0; r < Q; ++r) {
     const __m512 w = _mm512_set1_ps(inv[r]);
     float* out = G.out + (r / g) * G.out_stride + (h * g + r % g) * hd;
