@@ -1,7 +1,7 @@
 // A decode step's decoder layer in two calls (talaria/executor/decode_layer.py): its attention block
-// and its MLP block (dense, or routed experts), each from the residual stream back into it. Every stage runs inside one
-// OpenMP team, parted by its barriers, where the torch path makes fifteen to twenty calls a layer,
-// each paying torch's dispatch and a wake of the thread pool (docs/engine-cpu.md).
+// and its MLP block (dense, or routed experts), each from the residual stream back into it. Every
+// stage of a block runs inside one OpenMP team, parted by its barriers, where the torch path makes
+// fifteen to twenty calls a layer, each paying torch's dispatch (docs/engine-cpu.md).
 #include <omp.h>
 
 #include "cpu_kernels.h"

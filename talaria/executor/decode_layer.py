@@ -4,8 +4,8 @@ A decode step of a few sequences reads every weight once and computes little: on
 SmolLM2 step of 8 requests spent 28.6 of its 44 ms forward in the products and ~15 ms in the ops
 around them, fifteen to twenty torch calls a layer (norms, RoPE, the cache writes, the attention's
 wrapper, silu, adds), each 30-50 us there, several times what it costs alone (docs/engine-cpu.md,
-"One call a block"). Here a layer is two calls, each one OpenMP team from the residual stream back
-into it:
+"A decode step's layer in two calls"). Here a layer is two calls, each one OpenMP team from the
+residual stream back into it:
 - attention: RMSNorm, the q/k/v product (its bias), each head's q/k norm (Qwen3) and RoPE, the
   keys and values written to their pages, each sequence's attention over its pages (cpu_kernels.h's
   `attend`, as `paged_decode`; a prefix the batch shares is read in place, once for each group of
@@ -104,8 +104,8 @@ class DecodeLayers:
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), k_cache.shape[1], meta.write_pages.data_ptr(), meta.write_offsets.data_ptr(),
             ptr(d.shared), shared_tokens, d.pages.data_ptr(), d.lengths.data_ptr(), d.pages.numel() // d.batch,
-            self.heads, self.kv_heads,
-            self.arch.head_dim, self.scale, cpu_kernels.PREFETCH_ROWS, torch.get_num_threads())
+            self.heads, self.kv_heads, self.arch.head_dim, self.scale, cpu_kernels.PREFETCH_ROWS,
+            torch.get_num_threads())
         if refused:
             raise ValueError(f"decode_attention: {T} tokens of {self.heads} heads over {self.kv_heads} KV heads "
                              f"of width {self.arch.head_dim}: not a step it runs")
