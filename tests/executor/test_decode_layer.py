@@ -108,3 +108,19 @@ def test_a_batch_sharing_a_cached_prefix_reads_it_in_place(shape, model_cache, m
     outs = run(core, [call(str(i), "tiny", prompt + [i + 1, i + 2], SAMPLING) for i in range(5)])
     assert all(outs[str(i)][-1].usage.cached_tokens >= 40 for i in range(5))
     assert sum(shared for _, shared in fused_steps) >= SAMPLING.max_tokens - 2, fused_steps
+
+
+def test_an_mla_models_dense_layers_fuse_their_mlp_only(tmp_path, monkeypatch):
+    """DeepSeek-V3: its MLA attention and its MoE layers (sigmoid routing, a shared expert) run in torch;
+    its first, dense layer's MLP block runs fused beside them."""
+    from tests.mla_models import build, save
+
+    save(build("deepseek_v3"), tmp_path / "mla")
+    files = prepare_model(ModelConfig(name="mla", source=str(tmp_path / "mla"), dtype="float32"), None)
+    fused_steps = both_ways(monkeypatch)
+    core = engine([files], page_size=4)
+    run(core, [call(str(i), "mla", [i + 1] * (3 + i), SAMPLING) for i in range(3)])
+    model = core.executor.substrate.model
+    assert (model.fused.attention, model.fused.dense, model.fused.routed) == ([False] * 3, [True, False, False],
+                                                                                [False] * 3)
+    assert {t for t, _ in fused_steps} >= {1, 3}, fused_steps
