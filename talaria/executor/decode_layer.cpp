@@ -33,16 +33,25 @@ static void rope_head(float* x, const float* cos, const float* sin, int64_t hd) 
   std::copy_n(out, hd, x);
 }
 
-// Inside a team: y (M, N) = x (M, K) w (N, K)^T (+ bias; `add`: y += it), the weight's rows parted
-// between the team's threads. Ends at the team's barrier.
+constexpr int64_t MAX_TOKENS = 64;  // a decode step's sequences a block takes (the default max_running)
+constexpr int64_t WEIGHT_ROWS = 32;  // past 8 tokens, the weight rows each 8 tokens' pass reads while they are in L2
+
+// Inside a team: y (M, N) = x (M, K) w (N, K)^T (+ bias; `add`: y += it), M <= MAX_TOKENS, the
+// weight's rows parted between the team's threads. Up to 8 tokens, one pass over a thread's rows;
+// past 8, its rows WEIGHT_ROWS at a time, each run of them read from memory once and by each 8
+// tokens' pass from the cache. Ends at the team's barrier.
 static void team_product(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t N,
                          int64_t K, int64_t pf, bool add) {
-  const int64_t parts = omp_get_num_threads();
+  const int64_t parts = omp_get_num_threads(), step = M <= 8 ? N : WEIGHT_ROWS;
 #pragma omp for schedule(static)
-  for (int64_t p = 0; p < parts; ++p) block_any(M, x, w, bias, y, N * p / parts, N * (p + 1) / parts, N, K, pf, add);
+  for (int64_t p = 0; p < parts; ++p)
+    for (int64_t n0 = N * p / parts, n1 = N * (p + 1) / parts; n0 < n1; n0 += step)
+      for (int64_t m = 0; m < M; m += 8)
+        block_any(std::min<int64_t>(8, M - m), x + m * K, w, bias, y + m * N, n0, std::min(n0 + step, n1), N, K, pf,
+                  add);
 }
 
-// x (T, H) += o_proj(attention(rope(norms(qkv(rms_norm(x)))))) for T <= 8 tokens, token t the newest
+// x (T, H) += o_proj(attention(rope(norms(qkv(rms_norm(x)))))) for T <= MAX_TOKENS tokens, token t the newest
 // of decoding sequence t: norm (H) the input norm's weight; wqkv ((nh + 2 nkv) hd, H) and its bias
 // bqkv (or null) the queries', keys' and values' rows; q_norm, k_norm (hd) each head's norm (or null);
 // cos, sin (T, hd) each token's RoPE rows; wo (H, nh hd). Token t's key and value are written to
@@ -57,7 +66,7 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
                                         const int64_t* write_row, const int64_t* shared, int64_t shared_tokens,
                                         const int64_t* pages, const int64_t* ctx, int64_t width, int64_t nh,
                                         int64_t nkv, int64_t hd, float scale, int64_t pf, int threads) {
-  if (T < 1 || T > 8 || hd % 16 || hd > 256 || nh % nkv) return -1;
+  if (T < 1 || T > MAX_TOKENS || hd % 16 || hd > 256 || nh % nkv) return -1;
   const int64_t g = nh / nkv, heads = nh + nkv, width_qkv = (nh + 2 * nkv) * hd;
   Floats h(T * H), qkv(T * width_qkv), attn(T * nh * hd);
   const PagedKV kv{kc, vc, k_page, k_token, v_page, v_token, ps};
@@ -94,11 +103,11 @@ extern "C" int talaria_decode_attention(float* x, int64_t T, int64_t H, const fl
   return 0;
 }
 
-// x (T, H) += down(silu(gate) * up) of gate_up(rms_norm(x)) for T <= 8 tokens: norm (H) the norm's
+// x (T, H) += down(silu(gate) * up) of gate_up(rms_norm(x)) for T <= MAX_TOKENS tokens: norm (H) the norm's
 // weight, gate_up (2I, H) the gate's rows then the up's, down (H, I).
 extern "C" int talaria_decode_mlp(float* x, int64_t T, int64_t H, const float* norm, float eps, const float* gate_up,
                                   const float* down, int64_t I, int64_t pf, int threads) {
-  if (T < 1 || T > 8) return -1;
+  if (T < 1 || T > MAX_TOKENS) return -1;
   Floats h(T * H), gu(T * 2 * I), act(T * I);
 #pragma omp parallel num_threads(threads)
   {

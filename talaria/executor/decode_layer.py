@@ -1,8 +1,8 @@
 """A decode step's decoder layers on the CPU, each block in one kernel call (decode_layer.cpp).
 
-A decode step of a few sequences reads every weight once and computes little: on the 2-core Xeon a
-SmolLM2 step of 8 requests spent 28.6 of its 44 ms forward in the products and ~15 ms in the ops
-around them, fifteen to twenty torch calls a layer (norms, RoPE, the cache writes, the attention's
+A decode step of a few sequences (up to 64 here, the default `max_running`; a MoE block up to 8)
+reads every weight once and computes little: on the 2-core Xeon a SmolLM2 step of 8 requests spent
+28.6 of its 44 ms forward in the products and ~15 ms in the ops around them, fifteen to twenty torch calls a layer (norms, RoPE, the cache writes, the attention's
 wrapper, silu, adds), each 30-50 us there, several times what it costs alone (docs/engine-cpu.md,
 "A decode step's layer in two calls"). Here a layer is two calls, each one OpenMP team from the
 residual stream back into it:
@@ -32,7 +32,8 @@ from talaria.executor import cpu_kernels
 from talaria.executor.attention import AttentionMeta
 from talaria.executor.kv_cache import KVCache
 
-MAX_TOKENS = cpu_kernels.MAX_ROWS  # the products' accumulators hold 8 tokens
+MAX_TOKENS = 64  # a step's sequences the attention and dense blocks take (decode_layer.cpp; the default max_running)
+MAX_ROUTED = cpu_kernels.MAX_ROWS  # the MoE block's: an expert's rows are one pass of the small-row kernel
 
 
 def _plain(*tensors: torch.Tensor | None) -> bool:
@@ -57,12 +58,12 @@ class DecodeLayers:
                        and _plain(lw.post_norm, lw.router, lw.experts_gate_up, lw.experts_down)
                        and lw.experts_gate_up.dim() == 3 for lw in layers]
 
-    @property
-    def mlp(self) -> list[bool]:
-        """Per layer, whether its MLP block runs fused: a dense one, or softmax-routed experts without a
-        shared expert while the MoE kernels run (`cpu_kernels.MOE_EXPERTS`: bench/engine.py counts the
-        experts a step reads with them off, routing in torch)."""
-        moe = cpu_kernels.MOE_EXPERTS
+    def mlp(self, tokens: int) -> list[bool]:
+        """Per layer, whether its MLP block runs fused in a step of `tokens`: a dense one, or
+        softmax-routed experts without a shared expert at most MAX_ROUTED tokens while the MoE kernels
+        run (`cpu_kernels.MOE_EXPERTS`: bench/engine.py counts the experts a step reads with them off,
+        routing in torch)."""
+        moe = cpu_kernels.MOE_EXPERTS and tokens <= MAX_ROUTED
         return [d or (r and moe) for d, r in zip(self.dense, self.routed, strict=True)]
 
     @classmethod
@@ -77,8 +78,8 @@ class DecodeLayers:
         return fused if any(fused.attention) or any(fused.dense) or any(fused.routed) else None
 
     def runs(self, x: torch.Tensor, meta: AttentionMeta, kv: KVCache) -> bool:
-        """Whether this step's layers run fused: a step of at most 8 decoding sequences and nothing
-        else, one batch (with a shared prefix or not), the caches' heads contiguous."""
+        """Whether this step's layers run fused: a step of at most MAX_TOKENS decoding sequences and
+        nothing else, one batch (with a shared prefix or not), the caches' heads contiguous."""
         if not (cpu_kernels.DECODE_LAYERS and x.shape[0] <= MAX_TOKENS and not meta.prefills
                 and len(meta.decodes) == 1):
             return False
@@ -125,7 +126,7 @@ class DecodeLayers:
                                              self.arch.num_experts_per_tok, int(self.arch.norm_topk_prob),
                                              two_i // 2, pf, threads)
         if refused:
-            raise ValueError(f"decode_mlp: {T} tokens, not 1 to {MAX_TOKENS}")
+            raise ValueError(f"decode_mlp: {T} tokens, not 1 to {MAX_TOKENS} ({MAX_ROUTED} routed)")
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

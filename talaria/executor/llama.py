@@ -70,7 +70,7 @@ class LlamaModel:
         sin = self.sin[positions].unsqueeze(1)
         selection = None  # MLA's sparse attention: the tokens the last indexer chose, for "shared" layers
         fused = self.fused if self.fused is not None and self.fused.runs(x, meta, kv) else None
-        fused_mlp = fused.mlp if fused else None
+        fused_mlp = fused.mlp(len(input_ids)) if fused else None
         for i, lw in enumerate(self.w.layers):
             if fused and fused.attention[i]:
                 fused.attend(x, lw, i, cos, sin, meta, kv)  # x += the block, in one call
