@@ -11,7 +11,7 @@ weight 8 rows ahead, `_mm_prefetch` to L1 beside each load, as the engine runs i
 the memory stream with the arithmetic. The engine's dispatch makes the same comparison per shape
 and row bucket when a model first runs; this shows it whole, in GB/s.
 
-The kernel is built as the engine builds it (the system C++ compiler, about a second, once, into
+The kernel is built as the engine builds it (the system C++ compiler, about 5 s, once, into
 `$TALARIA_CACHE_DIR/kernels/`). A CPU without AVX-512, or no compiler, is a clear message, exit 2.
 
 `--decode` asks the engine whole: decode at 1 and 8 requests of SmolLM2-135M and of bench/engine.py's

@@ -70,7 +70,7 @@ ENV_VAR = "TALARIA_CPU_KERNELS"  # "0": leave them out, torch runs everything
 # (bench/small_rows.py --decode turns them off to compare)
 PAGED_DECODE = MOE_EXPERTS = DECODE_LAYERS = True
 # -ffp-contract=off: an a * b + c the source writes is two roundings, as torch computes it, never an FMA unasked
-FLAGS = ("-O3", "-mavx512f", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-mavx512f", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c++17")  # each source's; linked -shared
 
 # the C++ (no torch headers), read once: the library is built from this text, whatever the files become
 SOURCES = {name: (Path(__file__).parent / name).read_text() for name in (
@@ -110,8 +110,8 @@ def build(folder: Path | None = None) -> Path:
         objects = {src / name: src / f"{name}.o" for name in SOURCES if name.endswith(".cpp")}
         code, errors = _run_all([[cxx, *FLAGS, "-c", str(unit), "-o", str(obj)] for unit, obj in objects.items()])
         if not code:
-            code, errors = _run_all([[cxx, *FLAGS, *map(str, objects.values()), f"-Wl,-rpath,{torch_lib}", "-o",
-                                      str(tmp)]])
+            code, errors = _run_all([[cxx, *FLAGS, "-shared", *map(str, objects.values()), f"-Wl,-rpath,{torch_lib}",
+                                      "-o", str(tmp)]])
         if code:
             failed.write_text(f"{cxx}: exit {code}\n{errors}")
             raise OSError(f"{cxx} could not build it:\n{errors[-2000:]}")

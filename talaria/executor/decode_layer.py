@@ -2,14 +2,14 @@
 
 A decode step of a few sequences (up to 64 here, the default `max_running`; a MoE block up to 8)
 reads every weight once and computes little: on the 2-core Xeon a SmolLM2 step of 8 requests spent
-28.6 of its 44 ms forward in the products and ~15 ms in the ops around them, fifteen to twenty torch calls a layer (norms, RoPE, the cache writes, the attention's
-wrapper, silu, adds), each 30-50 us there, several times what it costs alone (docs/engine-cpu.md,
-"A decode step's layer in two calls"). Here a layer is two calls, each one OpenMP team from the
-residual stream back into it:
+28.6 of its 44 ms forward in the products and ~15 ms in the ops around them, fifteen to twenty torch
+calls a layer (norms, RoPE, the cache writes, the attention's wrapper, silu, adds), each 30-55 us
+there, several times what it costs alone (docs/engine-cpu.md, "A decode step's layer in two calls").
+Here a layer is two calls, each one OpenMP team from the residual stream back into it:
 - attention: RMSNorm, the q/k/v product (its bias), each head's q/k norm (Qwen3) and RoPE, the
-  keys and values written to their pages, each sequence's attention over its pages (cpu_kernels.h's
-  `attend`, as `paged_decode`; a prefix the batch shares is read in place, once for each group of
-  sequences a task runs), the o product added to the residual;
+  keys and values written to their pages, each sequence's attention over its pages
+  (paged_attention.cpp's `attend`, as `paged_decode`; a prefix the batch shares is read in place,
+  once for each group of sequences a task runs), the o product added to the residual;
 - the MLP: RMSNorm, then a dense one's gate+up, silu(gate) * up, down added to the residual; or
   an MoE layer's router product and its routed experts, routing included (`cpu_kernels.moe_routed`'s
   inner part), their weighted sum added to the residual.
@@ -57,14 +57,15 @@ class DecodeLayers:
         self.routed = [lw.router is not None and arch.router_scoring != "sigmoid" and lw.shared_gate_up is None
                        and _plain(lw.post_norm, lw.router, lw.experts_gate_up, lw.experts_down)
                        and lw.experts_gate_up.dim() == 3 for lw in layers]
+        self.first_attention = next((i for i, a in enumerate(self.attention) if a), None)  # whose caches `runs` checks
+        self._mlp = {False: self.dense, True: [d or r for d, r in zip(self.dense, self.routed, strict=True)]}
 
     def mlp(self, tokens: int) -> list[bool]:
         """Per layer, whether its MLP block runs fused in a step of `tokens`: a dense one, or
         softmax-routed experts without a shared expert at most MAX_ROUTED tokens while the MoE kernels
         run (`cpu_kernels.MOE_EXPERTS`: bench/engine.py counts the experts a step reads with them off,
         routing in torch)."""
-        moe = cpu_kernels.MOE_EXPERTS and tokens <= MAX_ROUTED
-        return [d or (r and moe) for d, r in zip(self.dense, self.routed, strict=True)]
+        return self._mlp[cpu_kernels.MOE_EXPERTS and tokens <= MAX_ROUTED]
 
     @classmethod
     def of(cls, arch: ModelArch, layers: list, heads: int, kv_heads: int, ranks: int, scale: float,
@@ -83,10 +84,9 @@ class DecodeLayers:
         if not (cpu_kernels.DECODE_LAYERS and x.shape[0] <= MAX_TOKENS and not meta.prefills
                 and len(meta.decodes) == 1):
             return False
-        first = next((i for i, a in enumerate(self.attention) if a), None)
-        if first is None:
+        if self.first_attention is None:
             return True
-        k_cache, v_cache = kv.layer(first)
+        k_cache, v_cache = kv.layer(self.first_attention)
         hd = self.arch.head_dim
         return k_cache.stride()[2:] == v_cache.stride()[2:] == (hd, 1)
 

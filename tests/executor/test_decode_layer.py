@@ -12,6 +12,7 @@ import torch
 from talaria.config.schema import ModelConfig, SyntheticShape
 from talaria.contracts.call import SamplingParams
 from talaria.executor import cpu_kernels
+from talaria.executor.decode_layer import DecodeLayers
 from talaria.executor.llama import LlamaModel
 from talaria.models.source import prepare_model
 from tests.tiny_models import call, engine, run, tokens
@@ -86,12 +87,17 @@ def test_steps_and_models_it_leaves_to_torch(model_cache, monkeypatch):
     """A step of more than 64 decodes, or with a prompt chunk, and a float64 model run the torch path."""
     files = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float32", seed=3,
                                       shape=SHAPES["llama"]), None, model_cache)
+    asked, runs = [], DecodeLayers.runs  # every step's size and whether it was decodes only, fused or not
+    monkeypatch.setattr(DecodeLayers, "runs", lambda self, x, meta, kv: asked.append((len(x), not meta.prefills))
+                        or runs(self, x, meta, kv))
     fused_steps = both_ways(monkeypatch)
     calls = [call(str(i), "tiny", [i % 200 + 1] * 2, SamplingParams(max_tokens=3 + i // 10, temperature=0.0,
                                                                       ignore_eos=True)) for i in range(70)]
     run(engine([files], page_size=4, max_running=80, max_batch_tokens=256, arena_bytes=64 << 20), calls)
     counts = {t for t, _ in fused_steps}
-    assert max(counts) == 60 and 70 not in counts, sorted(counts)  # 70 decode together first: torch
+    assert (70, True) in asked and (60, True) in asked  # 70 decoded together, then 60 once 10 finished
+    assert max(counts) == 60 and 70 not in counts, sorted(counts)  # the 70: torch; the 60: fused
+    assert any(not decodes_only for _, decodes_only in asked)  # and the prompts' steps: torch (not in counts)
     double = prepare_model(ModelConfig(name="tiny", source="synthetic:", dtype="float64", seed=3,
                                        shape=SHAPES["llama"]), None, model_cache)
     assert engine([double], page_size=4).executor.substrate.model.fused is None
