@@ -59,26 +59,13 @@ void block_any(int64_t M, const float* x, const float* w, const float* bias, flo
   }
 }
 
-// The weight's rows split evenly over at most `threads` threads, none with fewer than 256 rows.
-template <int M>
-static void run(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, int64_t pf,
-                int threads) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (N + 255) / 256));
-#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
-  for (int64_t p = 0; p < parts; ++p) block<M, 2>(x, w, bias, y, N * p / parts, N * (p + 1) / parts, N, K, pf);
-}
-
+// y (M, N) = x (M, K) w (N, K)^T (+ bias) for 1 <= M <= 8: the weight's rows split evenly over at
+// most `threads` threads, none with fewer than 256 rows.
 extern "C" int talaria_small_rows(const float* x, const float* w, const float* bias, float* y, int64_t M,
                                   int64_t N, int64_t K, int64_t pf, int threads) {
-  switch (M) {
-    case 1: run<1>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 2: run<2>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 3: run<3>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 4: run<4>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 5: run<5>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 6: run<6>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 7: run<7>(x, w, bias, y, N, K, pf, threads); return 0;
-    case 8: run<8>(x, w, bias, y, N, K, pf, threads); return 0;
-    default: return -1;
-  }
+  if (M < 1 || M > 8) return -1;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (N + 255) / 256));
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+  for (int64_t p = 0; p < parts; ++p) block_any(M, x, w, bias, y, N * p / parts, N * (p + 1) / parts, N, K, pf);
+  return 0;
 }
