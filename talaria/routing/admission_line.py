@@ -10,9 +10,13 @@ agent harnesses back off on `Retry-After`). What the line keeps:
   session's, and never before the round being served. A tenant that floods the line with new
   sessions waits behind one session of every other tenant per round, never all of theirs.
 - **A place kept.** A client that comes back keeps its place (keyed by its session). While the
-  line holds sessions for a model, a call may only open a session of it if it is due (its promised
-  time has come, within one control interval) or first in line; any later arrival joins the back.
-  So a client that comes back when it was told is admitted ahead of everyone who arrived after it.
+  line holds sessions for a model, a call may open a session of it if it is due (its promised time
+  has come, within one control interval) or first in line; another arrival goes in ahead only into
+  room that no promise needs (the dispatcher's `_keeps_promises`), else it joins the back. So a
+  client that comes back when it was told is admitted then, whoever arrived after it.
+- **Clients that do not come back.** A place whose client has not been back yet is counted at the
+  share of the model's recent places whose clients came back for them (`comes_back`), in full once
+  its client has been back: a line of clients that never retry stops reserving room for them.
 - **A promise.** Its Retry-After is the predicted time until an instance admits it at its TTFT
   target (`promise_times`): the admitted sessions' expected departures (talaria/routing/
   session_load.py: calls left from the session lengths the router has seen, a turn each, then quiet)
@@ -54,6 +58,7 @@ GRACE_S = 5.0  # past its promise, a client not back loses its place: Retry-Afte
 MAX_PROMISE_S = 600.0  # a wait longer than the OpenAI and Anthropic SDKs' request timeout: over capacity
 SCALE_BOUNDS = (0.25, 4.0)  # actual / promised wait: one odd sample must not throw every promise
 ERRORS_KEPT = 256  # recent promise errors in telemetry
+PLACES_KEPT = 32  # recent places in line ended (taken, or lost by a client that did not come back), per model
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +123,7 @@ class AdmissionLine:
         self._next_round: dict[tuple[str, str], int] = {}  # (model, tenant) -> its next session's round
         self._served: dict[str, int] = {}  # model -> round of the session admitted last
         self._errors: deque[float] = deque(maxlen=ERRORS_KEPT)  # ready - promised, seconds
+        self._taken: dict[str, deque[bool]] = {}  # model -> its recent places' ends: taken (True) or lost
         self.counts: Counter[str] = Counter()  # joined, admitted, returned, expired, full, over_capacity
 
     # ---- the line ---------------------------------------------------------------------------
@@ -145,8 +151,9 @@ class AdmissionLine:
         return w
 
     def may_try(self, entry: Waiting | None, model: str, now: float) -> bool:
-        """May this call ask for an instance now? A newcomer (`entry` None) only while nobody waits
-        for its model; a session in line once due or first."""
+        """May this call ask for an instance now, by its place? A newcomer (`entry` None) only while
+        nobody waits for its model; a session in line once due or first. (Either may still go in ahead
+        into room no promise needs: the dispatcher's `_keeps_promises`.)"""
         if entry is None:
             return not any(w.model == model for w in self._by_session.values())
         return self.due(entry, now) or self.order(model)[0] is entry
@@ -182,6 +189,7 @@ class AdmissionLine:
             self.ready(entry, now)
         self._drop(entry)
         self._served[entry.model] = max(self._served.get(entry.model, 0), entry.round)
+        self._ended(entry, True)
         self.counts["admitted"] += 1
 
     def ready(self, entry: Waiting, now: float) -> None:
@@ -201,8 +209,23 @@ class AdmissionLine:
         gone = [w for w in self._by_session.values() if w.promised_at + GRACE_S < now and w.held is None]
         for w in gone:
             self._drop(w)
+            self._ended(w, False)
         self.counts["expired"] += len(gone)
         return gone
+
+    def comes_back(self, model: str) -> float:
+        """The share of `model`'s recent places in line whose clients came back for them (1 before any
+        ended): the chance that a session waiting, whose client has not been back yet, will be."""
+        ended = self._taken.get(model)
+        return sum(ended) / len(ended) if ended else 1.0
+
+    def expected_charges(self, waiting: list[Waiting], default: float) -> list[float]:
+        """What each of `waiting` will hold back the sessions after it by, as likely as it is to be
+        admitted at all: in full once its client has been back (or waits at the gateway now), else
+        times `comes_back`. A line of clients that never come back (curl, a script without retries)
+        then stops reserving room for them as soon as a few places are lost, not GRACE_S after each."""
+        return [(w.charge_s or default) * (1.0 if w.returns or w.held is not None else self.comes_back(w.model))
+                for w in waiting]
 
     def heads(self) -> list[Waiting]:
         """The first session of each model's line."""
@@ -218,6 +241,9 @@ class AdmissionLine:
 
     def _drop(self, entry: Waiting) -> None:
         self._by_session.pop(entry.session, None)
+
+    def _ended(self, entry: Waiting, taken: bool) -> None:
+        self._taken.setdefault(entry.model, deque(maxlen=PLACES_KEPT)).append(taken)
 
     def __len__(self) -> int:
         return len(self._by_session)
@@ -235,6 +261,7 @@ class AdmissionLine:
         return {
             "limit": self.limit, "waiting": len(self._by_session),
             "scale": {m: round(x, 3) for m, x in sorted(self._scale.items())},
+            "comes_back": {m: round(self.comes_back(m), 3) for m in sorted(self._taken)},
             "counts": dict(self.counts),
             "promise_error_s": {"samples": len(errors),
                                 "p50": errors[len(errors) // 2] if errors else None,

@@ -10,7 +10,8 @@ Route and lease events go to the node's event log with instance "router".
 
 Overload (`[router] overload`): under "sessions" (the default) a call whose session was not admitted
 within `session_ttl_s` opens a session, and is admitted only in its turn (`AdmissionLine`: while new
-sessions wait for its model, only one that is due or first) and where the sessions already admitted
+sessions wait for its model, one that is due or first, or one that room no promise needs lets in
+ahead: `LineTurns._keeps_promises`) and where the sessions already admitted
 there (`SessionLoad`: their calls and the next calls of those in tool gaps) leave its first call
 within the TTFT target; otherwise it keeps or takes a place in line and gets 429 with the line's
 promise as Retry-After. Calls of admitted sessions that no instance admits yet are held, and placed
@@ -157,7 +158,8 @@ class Dispatcher(LineTurns):
                 decision.cost, decision.wait_s = priced.cost, max(decision.wait_s, priced.wait_s or 0.0)
         else:
             decision = router.decide(req, local)
-        if not admitted and decision.instance is not None and not self.line.may_try(entry, req.model, now):
+        if (not admitted and decision.instance is not None and not self.line.may_try(entry, req.model, now)
+                and not self._keeps_promises(req, decision, entry, now)):
             # an instance has room, but sessions ahead in line were promised it: this one waits behind them
             decision = RouteDecision(None, Reason.OVERLOAD, decision.cost, overload="line", wait_s=0.0)
         if decision.instance is not None:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from talaria.routing.admission_line import (
+    CONTROL_INTERVAL_S,
     GRACE_S,
     MAX_PROMISE_S,
     AdmissionLine,
@@ -24,6 +25,7 @@ TTFT_SLACK = 1.5  # a new session's first call, held in line, must still start w
 # (issue 33: admitted calls' TTFT p95 within 1.5 x ttft_s)
 
 if TYPE_CHECKING:
+    from talaria.routing.costs import Cost
     from talaria.routing.held_calls import HeldCalls
     from talaria.routing.router import Router
     from talaria.routing.session_load import SessionLoad
@@ -131,18 +133,42 @@ class LineTurns:
         order = self.line.order(model)
         if cost is None:  # nothing priced it (no fresh snapshot): the default wait, then ask again
             return [now + RETRY_AFTER_S] * len(order)
-        x = self.load.on(cost.instance).admit_x(model, cost.prefill_s + cost.c_kv_s)  # what it is admitted against
-        # once in, what it holds back the sessions after it by: its next call (as long as its first, at most x),
-        # as likely as the model's sessions make a second call (session_load.py charges its tool gap so)
-        entry.charge_s = min(x, cost.prefill_s + cost.decode_s) * self.load.lengths(model).second_call()
+        x, entry.charge_s, lifetime = self._priced(req, cost)
         excess = decision.wait_s or 0.0
         if decision.overload == "line":  # an instance admits it, the line held it back: the room left there
             excess = min(0.0, self.router.costs.excess_s(self.router.views[cost.instance], req, cost, signed=True))
         times = promise_times(now, excess, self.load.departures(cost.instance, x, now),
-                              [w.charge_s or entry.charge_s for w in order],
-                              self.load.lifetime_s(cost.prefill_s + cost.decode_s, model), self.line.scale(model))
+                              self.line.expected_charges(order, entry.charge_s), lifetime, self.line.scale(model))
         # work ahead that no admitted session accounts for (the snapshot's queue, a switch): about its own length
         return [t if t != math.inf else now + max(1.0, excess * self.line.scale(model)) for t in times]
+
+    def _priced(self, req: RouteRequest, cost: Cost) -> tuple[float, float, float]:
+        """A new session's call `req`, priced `cost`: the prefill it is admitted against; once in, what
+        it holds back the sessions after it by (its next call, as long as its first, at most that
+        prefill, as likely as the model's sessions make a second call: session_load.py charges its tool
+        gap so); and for how long it is expected to."""
+        x = self.load.on(cost.instance).admit_x(req.model, cost.prefill_s + cost.c_kv_s)
+        charge = min(x, cost.prefill_s + cost.decode_s) * self.load.lengths(req.model).second_call()
+        return x, charge, self.load.lifetime_s(cost.prefill_s + cost.decode_s, req.model)
+
+    def _keeps_promises(self, req: RouteRequest, decision: RouteDecision, entry: Waiting | None,
+                        now: float) -> bool:
+        """Would placing `req` now, a new session's call that an instance admits (`decision`) but that
+        is neither due nor first in line, keep every promise made to the others in line? With it in,
+        each must still be predicted in by its promise (or now, one whose client is late). Room that
+        no promise needs goes to whoever asks, as a batch scheduler backfills the gaps before a
+        reservation: an idle node never turns a session away for places kept by clients that may not
+        come back, and nobody in line waits past what it was told."""
+        cost, model = decision.cost, req.model
+        if cost is None:
+            return False
+        others = [w for w in self.line.order(model) if w is not entry]
+        x, charge, lifetime = self._priced(req, cost)
+        room = -self.router.costs.excess_s(self.router.views[cost.instance], req, cost, signed=True)
+        departures = [*self.load.departures(cost.instance, x, now), (now + lifetime, charge)]
+        times = promise_times(now, charge - room, departures, self.line.expected_charges(others, charge), lifetime,
+                              self.line.scale(model))
+        return all(t <= max(w.promised_at, now) + CONTROL_INTERVAL_S for t, w in zip(times, others, strict=True))
 
     def _check_line(self) -> None:
         """Each poll: drop the line's sessions whose clients did not come back; place the calls held
