@@ -27,8 +27,7 @@ agent harnesses back off on `Retry-After`). What the line keeps:
   first) and an instance admits it; if that has not happened in time (GRACE_S after its promise at
   the latest), it gets its 429 with a new promise after all. Near is within `hold_s` (`[router]
   line_hold_s`) and, the hold being part of its time to first token, within what keeps that first
-  token inside 1.5 TTFT targets; the head of the line back when it was told is held up to `hold_s`
-  (talaria/routing/line_turns.py, `_hold_s`).
+  token inside 1.5 TTFT targets (talaria/routing/line_turns.py, `_hold_s`).
 - **Bounded.** At most `limit` sessions wait. Beyond that a newcomer is not placed in line: a 429
   says so, with the wait until the line's last promise (the line will have moved by then); or, when
   that is past MAX_PROMISE_S, a 503 "over capacity".

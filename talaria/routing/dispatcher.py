@@ -177,10 +177,9 @@ class Dispatcher(LineTurns):
         elif not admitted:
             if inferred and chain:  # a client without a session id is known again by its conversation
                 self.continuity.remember(req.model, req.session, chain[-1:])
-            on_time = entry is not None and self.line.due(entry, now)  # back when it was told
             refusal = self._wait_in_line(req, entry, decision, now)
             entry = self.line.get(req.session)
-            hold = self._hold_s(decision, entry if on_time else None)
+            hold = self._hold_s(decision)
             if entry is None or refusal.over_capacity or entry.promised_at - now > hold:
                 router.record(req, decision)
                 raise refusal
