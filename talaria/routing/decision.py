@@ -51,5 +51,3 @@ class RouteDecision:
     overload: str | None = None  # the overload policy applied (or why a queued call gave up)
     same_instance: bool | None = None  # a returning session went back to its last instance (None: new)
     wait_s: float | None = None  # overload: predicted seconds until the closest candidate admits the call
-    start_bound_s: float | None = None  # placed: its first token predicted this long after it arrived, unscaled
-    # (InstanceLoad.bound_s of its prefill, plus that prefill): what its measured first token corrects

@@ -16,8 +16,8 @@ there (`SessionLoad`: their calls and the next calls of those in tool gaps) leav
 within the TTFT target; otherwise it keeps or takes a place in line and gets 429 with the line's
 promise as Retry-After. Calls of admitted sessions that no instance admits yet are held, and placed
 oldest first (`HeldCalls`). Every poll the head of each line is checked (its promise's error, which
-corrects the next promises), and each call's first token corrects the load new sessions are admitted
-against there (`InstanceLoad.observe_start`).
+corrects the next promises), and each new session's first token corrects the load it was admitted
+against (`InstanceLoad.observe_start`).
 """
 
 from __future__ import annotations
@@ -301,11 +301,7 @@ class Dispatcher(LineTurns):
 
     def _commit(self, req: RouteRequest, decision: RouteDecision) -> None:
         """The call goes to `decision.instance`: count it there before any other decision is made."""
-        name, cost, view = decision.instance, decision.cost, self.router.views.get(decision.instance)
-        if cost is not None and view is not None and view.load is not None:  # what its first token will correct
-            own = cost.prefill_s + cost.c_kv_s
-            key = (req.session, req.model) if req.session is not None else None
-            decision.start_bound_s = view.load.bound_s(own, key) + own + cost.c_act_s
+        name = decision.instance
         self.router.sent(name)
         self.shedding.admitted(req.session, req.tenant)
         if req.session is not None:
@@ -355,12 +351,12 @@ class Dispatcher(LineTurns):
                  output_ids: Sequence[int], ttft_s: float | None = None) -> None:
         """The call ended; on a normal finish install the lease and remember the conversation.
         `reply`: a chat call's answer as the assistant message the client appends to it. `ttft_s`:
-        its arrival to its first token: it corrects the load admission counts there."""
+        its arrival to its first token; a new session's corrects the load admission counts there."""
         instance, req, now = placement.decision.instance, placement.request, self.clock()
         self.router.finished(instance)
-        bound, view = placement.decision.start_bound_s, self.router.views.get(instance)
-        if ttft_s is not None and bound is not None and view is not None and view.load is not None:
-            view.load.observe_start(bound, ttft_s)
+        cost, view = placement.decision.cost, self.router.views.get(instance)
+        if ttft_s is not None and req.new_session and cost is not None and view is not None and view.load is not None:
+            view.load.observe_start(cost.start_s, ttft_s)
         if usage is None:
             if req.session is not None:
                 self.load.failed(req.session, req.model, now)

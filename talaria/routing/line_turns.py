@@ -155,8 +155,8 @@ class LineTurns:
         is neither due nor first in line, keep every promise made to the others in line? With it in,
         each must still be predicted in by its promise (or now, one whose client is late). Room that
         no promise needs goes to whoever asks, as a batch scheduler backfills the gaps before a
-        reservation: places kept for clients that may never come back do not keep an idle node shut,
-        and nobody in line is predicted in later than it was told."""
+        reservation: an idle node never turns a session away for places kept by clients that may not
+        come back, and nobody in line waits past what it was told."""
         cost, model = decision.cost, req.model
         if cost is None:
             return False

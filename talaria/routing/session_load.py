@@ -33,16 +33,11 @@ as the newcomer waits behind them. So the prefill it is admitted against is the 
 the model's typical next call there (an EWMA of the admitted sessions' priced next prefills): a burst
 of short first calls cannot fill an instance whose sessions' next calls would then miss the target.
 
-Where the predictions were wrong (`InstanceLoad.scale`): every call placed on an instance was
-predicted to start after the other sessions there held it back by that bound, with its own prefill
-(`bound_s`, unscaled); the first token it measured (from its arrival, any wait at the gateway
-included) against that corrects every later admission there, as an EWMA of measured over predicted
-with the cost model's gain (`observe_start`). Every call, not only new sessions' first calls: those
-are short (an agent's task, its system prompt cached), start sooner than the next calls that
-admission protects, and alone taught the scale down to its floor while the admitted sessions' later
-calls missed the target (the patient workload at 4939167: scale 0.5, five sessions in service, their
-later calls' TTFT p95 3.9-4.5 s). A machine slower under this load than its profile says (other
-processes, the gateway's own work) then admits fewer sessions, one that is faster more.
+Where the predictions were wrong (`InstanceLoad.scale`): each new session's first call was predicted
+to start after its queue and prefill; the first token it measured against that corrects every later
+admission there, as an EWMA of measured over predicted with the cost model's gain (`observe_start`).
+A machine slower under this load than its profile says (other processes, the gateway's own work)
+then admits fewer sessions, one that is faster more.
 
 When admitted sessions leave (`departures`): for the admission line's promises
 (talaria/routing/admission_line.py), each session's expected end, from the calls it has made and the
@@ -113,19 +108,13 @@ class InstanceLoad:
         self.work: dict[tuple[str, str], float] = {}  # (session, model) -> seconds
         self.kv: dict[str, int] = {}  # model -> KV tokens of their prefixes
         self.nxt: dict[str, float] = {}  # model -> EWMA of the prefill of their next calls, seconds
-        self.scale = 1.0  # EWMA of measured / predicted start (`bound_s`) of the calls placed here
+        self.scale = 1.0  # EWMA of measured / predicted start of new sessions' first calls here
         self.samples = 0  # how many it has seen
 
     def ahead_s(self, prefill_s: float) -> float:
         """How long these sessions' calls hold back a call needing `prefill_s` before its first token:
-        `bound_s`, times `scale`."""
-        return self.scale * self.bound_s(prefill_s)
-
-    def bound_s(self, prefill_s: float, session: tuple[str, str] | None = None) -> float:
-        """How long these sessions' calls (all but `session`'s, a (session, model) key) hold back a call
-        needing `prefill_s` before its first token, by processor sharing: each by the lesser of its own
-        work and that. O(sessions here)."""
-        return sum(min(prefill_s, w) for key, w in self.work.items() if key != session)
+        each by the lesser of its own work and that (processor sharing), times `scale`. O(sessions here)."""
+        return self.scale * sum(min(prefill_s, w) for w in self.work.values())
 
     def admit_x(self, model: str, prefill_s: float) -> float:
         """The prefill a new session of `model` whose first call needs `prefill_s` is admitted against:
@@ -138,12 +127,12 @@ class InstanceLoad:
         self.nxt[model] = prefill_s if mean is None else (1 - ALPHA) * mean + ALPHA * prefill_s
 
     def observe_start(self, predicted_s: float, measured_s: float) -> None:
-        """A call placed here was predicted to start (its first token) `predicted_s` after it arrived,
-        unscaled (`RouteDecision.start_bound_s`), and did at `measured_s`."""
+        """A new session's first call was predicted to start (its first token) `predicted_s` after it
+        arrived and did at `measured_s`."""
         if predicted_s <= 0:
             return
         lo, hi = SCALE_BOUNDS
-        ratio = min(hi, max(lo, measured_s / predicted_s))
+        ratio = min(hi, max(lo, self.scale * measured_s / predicted_s))  # the prediction had scale in it
         self.scale = min(hi, max(lo, (1 - ALPHA) * self.scale + ALPHA * ratio))
         self.samples += 1
 
