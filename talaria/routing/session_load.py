@@ -65,7 +65,11 @@ Price = Callable[[str, str, int, int, int, int], "float | None"]
 QUIET_FIRST_S = 10.0  # before any gap is seen: the replay caps recorded tool gaps at 10 s (DESIGN.md)
 QUIET_MIN_S = 2.0  # never quiet sooner: the paper's tool gaps are 0.39 s p50, 1.32 s p95 (§2.1)
 GROWTH_ALPHA = ALPHA  # weight of the newest turn in a model's mean prompt growth (as the instances' cost EWMA)
-SCALE_BOUNDS = (0.5, 4.0)  # measured / predicted start: a few wild calls must not open or shut admission
+SCALE_BOUNDS = (1.0, 4.0)  # measured / predicted start: a few wild calls must not shut admission, and none
+# opens it past the processor-sharing bound: that bound holds when the admitted sessions' next calls come
+# together, which is when their tails miss the target; first calls starting sooner on average say nothing
+# of that (patient workload at 4939167: the scale at 0.5 for a minute, five sessions in service, their
+# later calls' TTFT p95 3.9-4.5 s)
 
 
 class GapEstimate:
