@@ -132,7 +132,8 @@ def test_a_body_trickled_past_the_deadline_gets_a_408_and_is_cut(node, path, sha
     head, _, payload = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 "), response[:200]
     assert closed, "the server closes the connection instead of reading the rest of the body"
-    assert READ_TIMEOUT_S <= answered_after < READ_TIMEOUT_S + 1.0, answered_after
+    # the server's deadline runs from the request's start, a moment before `started` here (0.99997 s seen once)
+    assert READ_TIMEOUT_S - 0.05 <= answered_after < READ_TIMEOUT_S + 1.0, answered_after
     error = json.loads(payload)
     if shape == "openai":
         assert error["error"]["code"] == "request_timeout" and "read_timeout_s" in error["error"]["message"]
