@@ -37,7 +37,8 @@ Where the predictions were wrong (`InstanceLoad.scale`): each new session's firs
 to start after its queue and prefill; the first token it measured against that corrects every later
 admission there, as an EWMA of measured over predicted with the cost model's gain (`observe_start`).
 A machine slower under this load than its profile says (other processes, the gateway's own work)
-then admits fewer sessions, one that is faster more.
+then admits fewer sessions; one that is faster no more than the processor-sharing bound allows (the
+scale is at least 1: SCALE_BOUNDS).
 
 When admitted sessions leave (`departures`): for the admission line's promises
 (talaria/routing/admission_line.py), each session's expected end, from the calls it has made and the
