@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from talaria.routing.session_lengths import prior_second_call
+from talaria.routing.session_lengths import ALPHA, prior_second_call
 from talaria.routing.session_load import (
     QUIET_FIRST_S,
     QUIET_MIN_S,
+    SCALE_BOUNDS,
     GapEstimate,
     InstanceLoad,
     SessionLoad,
@@ -196,3 +197,17 @@ def test_a_call_is_held_back_by_each_admitted_session_at_most_by_its_own_prefill
     load.work.update({("a", "m"): 0.2, ("b", "m"): 3.0, ("c", "m"): 40.0})
     assert load.ahead_s(0.5) == pytest.approx(1.2)
     assert load.total_s == pytest.approx(43.2)
+
+
+def test_first_tokens_later_than_predicted_admit_fewer_and_sooner_ones_no_more_than_the_bound():
+    """The scale learns measured over predicted starts (gain ALPHA, each ratio within SCALE_BOUNDS): slow
+    starts stretch what the admitted sessions hold a newcomer back by; fast ones never shrink it below the
+    processor-sharing bound, whose tail is what admitted calls live through."""
+    load = InstanceLoad()
+    load.work.update({("a", "m"): 0.2, ("b", "m"): 3.0})
+    load.observe_start(1.0, 3.0)
+    assert load.scale == pytest.approx((1 - ALPHA) + ALPHA * 3.0) and load.samples == 1
+    for _ in range(50):
+        load.observe_start(1.0, 0.1)  # ten times sooner than predicted, again and again
+    assert SCALE_BOUNDS[0] == 1.0 and load.scale == pytest.approx(1.0, abs=1e-4)
+    assert load.ahead_s(0.5) == pytest.approx(0.7, abs=1e-4)  # the bound itself
